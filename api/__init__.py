@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (Litestar), stateless: run as many replicas as you like."""

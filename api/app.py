@@ -1,0 +1,43 @@
+"""The Litestar application: ``create_app(config)``, or ``create_app()`` reading the
+config file named by ``IOP_CONFIG`` (what ``iop api`` uses for its server processes)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+
+from api.auth import KeyGuard, load_keys
+from api.errors import HANDLERS
+from api.gateway import Gateway
+from api.routes import healthz, readyz, v1_router
+from dispatcher import config as cfg
+
+
+def create_app(config: cfg.Config | None = None) -> Litestar:
+    if config is None:
+        config = cfg.load(os.environ["IOP_CONFIG"])
+    gateway = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    guard = KeyGuard(load_keys(config.api.api_keys_env))
+    return Litestar(
+        route_handlers=[v1_router([guard]), healthz, readyz],
+        lifespan=[lifespan],
+        state=State({"gateway": gateway}),
+        exception_handlers=HANDLERS,  # type: ignore[arg-type]
+        request_max_body_size=config.api.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="iop", version="0.1.0"),
+        logging_config=None,
+    )

@@ -1,0 +1,37 @@
+"""Caller keys: ``Authorization: Bearer <key>`` checked in constant time."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+
+from dispatcher.exceptions import Unauthorized
+
+
+def load_keys(env_name: str | None) -> list[bytes] | None:
+    """The accepted keys; None when the API is open. A named but empty variable opens nothing."""
+    if not env_name:
+        return None
+    return [k.strip().encode() for k in os.environ.get(env_name, "").split(",") if k.strip()]
+
+
+class KeyGuard:
+    def __init__(self, keys: list[bytes] | None) -> None:
+        self.keys = keys
+
+    def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        if self.keys is None:
+            return
+        header = connection.headers.get("authorization", "")
+        scheme, _sep, token = header.partition(" ")
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # Compare against every key, whatever matches, so timing says nothing about which.
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(presented, key)
+        if not ok or not presented:
+            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>)")

@@ -1,0 +1,63 @@
+"""One place that turns every failure into an OpenAI-style error answer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+from redis.exceptions import RedisError
+
+from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError
+
+log = logging.getLogger("iop.api")
+
+_HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _answer(exc: RequestError) -> Response[object]:
+    headers = dict(exc.headers)
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, ProviderRejected):
+        return Response(exc.raw_body, status_code=exc.status, media_type=exc.content_type, headers=headers)
+    return Response(exc.body(), status_code=exc.status, headers=headers)
+
+
+def request_error(_: Request[Any, Any, Any], exc: RequestError) -> Response[object]:
+    return _answer(exc)
+
+
+def redis_error(_: Request[Any, Any, Any], exc: RedisError) -> Response[object]:
+    return _answer(RedisUnavailable(f"Redis is unavailable: {exc}"))
+
+
+def http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
+    status = exc.status_code
+    body = {
+        "error": {
+            "message": exc.detail,
+            "type": _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+            "param": None,
+            "code": _HTTP_CODES.get(status),
+        }
+    }
+    return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def unexpected_error(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+    log.exception("unhandled error", exc_info=exc)
+    body = {"error": {"message": "Internal server error", "type": "server_error", "param": None,
+                      "code": "internal_error"}}
+    return Response(body, status_code=500)
+
+
+HANDLERS = {
+    RequestError: request_error,
+    RedisError: redis_error,
+    HTTPException: http_error,
+    Exception: unexpected_error,
+}

@@ -1,0 +1,101 @@
+"""Everything one API process holds: config, Redis client, scripts, its reply reader,
+and the background loops that keep it registered and Redis tidy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from api.replies import ReplyReader
+from dispatcher import keys
+from dispatcher.config import Config
+from dispatcher.jobs import JobClient
+from dispatcher.plans import Plans
+from dispatcher.reaper import Reaper
+from dispatcher.redis_conn import connect
+from dispatcher.scripts import Scripts
+
+log = logging.getLogger("iop.api")
+
+
+class Gateway:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.replica_id = f"api-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.redis = connect(config.redis.url)
+        self.scripts = Scripts(self.redis)
+        self.plans = Plans(config)
+        self.jobs = JobClient(self.redis, self.scripts, config, self.plans, self.replica_id)
+        self.replies = ReplyReader(self.redis, keys.reply(self.replica_id))
+        self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.replica_id)
+        self.models = {m.id: m for m in config.models}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._closing = False
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        try:
+            await self.scripts.load()
+            await self.jobs.heartbeat()
+        except RedisError as exc:
+            # Not fatal: /readyz says so, and requests answer 503 until Redis is back.
+            log.warning("Redis not reachable at start-up: %s", exc)
+        self._loops = [
+            asyncio.create_task(self.replies.run(), name="iop-replies"),
+            asyncio.create_task(self._heartbeat_loop(), name="iop-replica-heartbeat"),
+            asyncio.create_task(self._reap_loop(), name="iop-reaper"),
+        ]
+        log.info("API replica %s started", self.replica_id)
+
+    async def close(self) -> None:
+        self._closing = True
+        # Cancel until they are gone: a cancellation that lands inside a Redis call can be
+        # absorbed on Python 3.11 (asyncio.timeout races), and the loop would sleep on.
+        pending = set(self._loops)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+        await self.redis.aclose()
+
+    async def ready(self) -> tuple[bool, str]:
+        try:
+            await self.redis.ping()
+            if not await self.scripts.loaded():
+                await self.scripts.load()
+        except RedisError as exc:
+            return False, f"redis unavailable: {exc}"
+        return True, "ready"
+
+    async def _heartbeat_loop(self) -> None:
+        period = 2.0
+        while not self._closing:
+            try:
+                await self.jobs.heartbeat()
+            except RedisError as exc:
+                log.warning("replica heartbeat failed: %s", exc)
+            await asyncio.sleep(period)
+
+    async def _reap_loop(self) -> None:
+        period = self.config.dispatch.reap_interval_ms / 1000
+        while not self._closing:
+            await asyncio.sleep(period)
+            try:
+                await self.reaper.run_once()
+            except RedisError as exc:
+                log.warning("reaper round failed: %s", exc)

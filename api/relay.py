@@ -1,0 +1,240 @@
+"""One OpenAI request through iop: submit the job, wait for its events, answer.
+
+The caller's body goes to the provider untouched but for ``model`` (the worker sets
+the served name); answers come back with ``model`` set to the id the caller asked
+for. The API enforces the queue deadline itself (the ``cancel`` script decides,
+atomically, whether the job was still waiting) and watches a dispatched job, so a
+request ends with exactly one answer even if a worker or Redis goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.response import Stream
+from redis.exceptions import RedisError
+
+from api.gateway import Gateway
+from api.replies import Waiter
+from dispatcher import events
+from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
+from dispatcher.exceptions import (
+    ModelNotFound,
+    ProviderRejected,
+    QueueFull,
+    QueueTimeout,
+    RedisUnavailable,
+    RequestError,
+    WorkerLost,
+    error_from_code,
+)
+from dispatcher.jobs import Submitted
+from dispatcher.jsonbody import parse_request, with_model
+
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class JobWait:
+    """The API's side of one job: its events, its queue deadline, and a watchdog."""
+
+    def __init__(self, gw: Gateway, job_id: str, model_id: str, waiter: Waiter) -> None:
+        self.gw = gw
+        self.job_id = job_id
+        self.model_id = model_id
+        self.waiter = waiter
+        # True once Redis holds nothing more of this job that the API must clean up.
+        self.settled = False
+        self._queued_until: float | None = None
+        self._suspect = False
+
+    def waiting(self, submitted: Submitted) -> None:
+        if submitted.status == "queued":
+            self._queued_until = _now() + submitted.wait_ms / 1000
+
+    async def next_event(self) -> events.Event:
+        watch = self.gw.config.dispatch.lease_ms / 1000
+        while True:
+            timeout = watch if self._queued_until is None else max(self._queued_until - _now(), 0.0)
+            event = await self.waiter.next(wait_s=timeout)
+            if event is not None:
+                if isinstance(event, Done | End | Failed):
+                    self.settled = True
+                return event
+            try:
+                if self._queued_until is not None:
+                    await self._deadline_passed()
+                else:
+                    await self._watchdog()
+            except RedisError as exc:
+                raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+
+    async def _deadline_passed(self) -> None:
+        result = await self.gw.jobs.cancel(self.job_id, self.model_id, "timeout")
+        if result.outcome in ("removed", "expired"):
+            self.settled = True
+            raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
+        if result.outcome == "wait":
+            self._queued_until = _now() + result.wait_ms / 1000
+        else:
+            # Dispatched (or already over): the deadline no longer applies.
+            self._queued_until = None
+
+    async def _watchdog(self) -> None:
+        """No event for a lease period: make sure the job still exists somewhere."""
+        (raw,) = await self.gw.jobs.states([self.job_id])
+        if raw is not None:
+            self._suspect = False
+            record = events.decode_record(raw)
+            if record.state in ("q", "x"):
+                # Its worker was lost and it went back to its queue.
+                self._queued_until = _now()
+            return
+        if self._suspect:
+            # Gone from Redis twice in a row and no final event arrived: Redis lost it.
+            self.settled = True
+            raise WorkerLost("The request was lost (Redis restarted or its worker vanished)")
+        self._suspect = True
+
+    async def cancel(self) -> None:
+        """The caller went away (or we failed): stop the job wherever it is."""
+        if self.settled:
+            return
+        self.settled = True
+        # On a Redis error the reaper cancels it, once it sees this replica's jobs.
+        with contextlib.suppress(RedisError):
+            await self.gw.jobs.cancel(self.job_id, self.model_id, "client")
+
+
+async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> Response[Any]:
+    body = await request.body()
+    model_id, stream = parse_request(body)
+    model = gw.models.get(model_id)
+    if model is None:
+        raise ModelNotFound(model_id)
+    if endpoint == "embeddings":
+        stream = False
+
+    job_id = uuid.uuid4().hex
+    wait = JobWait(gw, job_id, model_id, gw.replies.register(job_id))
+    handed_off = False
+    try:
+        try:
+            submitted = await gw.jobs.submit(job_id, model, body, endpoint, stream)
+        except RedisError as exc:
+            wait.settled = True
+            raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+        if submitted.status == "full":
+            wait.settled = True
+            raise QueueFull(
+                f"The queue of '{model_id}' is full ({submitted.queued} waiting); retry later"
+            )
+        wait.waiting(submitted)
+        first = await wait.next_event()
+        if isinstance(first, Done):
+            return _json_answer(first, model_id)
+        if isinstance(first, Failed):
+            raise _error(first)
+        if isinstance(first, Chunks):  # only a Start can come before Chunks
+            raise WorkerLost("The worker's stream began without its start")
+        handed_off = True
+        meta = first.meta
+        return Stream(
+            _sse(wait, first, model_id),
+            media_type="text/event-stream",
+            status_code=first.status if isinstance(first, Start) else 200,
+            headers={**SSE_HEADERS, **(_meta_headers(meta) if meta else {})},
+        )
+    finally:
+        if not handed_off:
+            gw.replies.unregister(job_id)
+            if not wait.settled:
+                gw.spawn(wait.cancel())
+
+
+async def _sse(wait: JobWait, first: Start | End, model_id: str) -> AsyncIterator[bytes]:
+    try:
+        event: events.Event = first
+        while True:
+            if isinstance(event, Start | Chunks):
+                if event.chunks:
+                    yield _frames(event.chunks, model_id)
+            elif isinstance(event, End):
+                yield DONE_FRAME
+                return
+            elif isinstance(event, Failed):
+                yield _error_frame(event)
+                return
+            else:  # Done cannot follow a stream's start; treat it as the end.
+                yield DONE_FRAME
+                return
+            try:
+                event = await wait.next_event()
+            except RequestError as exc:
+                yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+                return
+    finally:
+        wait.gw.replies.unregister(wait.job_id)
+        if not wait.settled:
+            wait.gw.spawn(wait.cancel())
+
+
+def _frames(chunks: list[bytes], model_id: str) -> bytes:
+    out = bytearray()
+    for chunk in chunks:
+        out += b"data: "
+        out += _rename(chunk, model_id)
+        out += b"\n\n"
+    return bytes(out)
+
+
+def _rename(payload: bytes, model_id: str) -> bytes:
+    try:
+        return with_model(payload, model_id)
+    except msgspec.DecodeError:
+        return payload
+
+
+def _error_frame(event: Failed) -> bytes:
+    if event.body is not None:
+        return b"data: " + event.body + b"\n\n"
+    return b"data: " + msgspec.json.encode(_error(event).body()) + b"\n\n"
+
+
+def _json_answer(event: Done, model_id: str) -> Response[bytes]:
+    body = event.body
+    if event.status < 300 and event.content_type == "application/json":
+        body = _rename(body, model_id)
+    return Response(body, status_code=event.status, media_type=event.content_type,
+                    headers=_meta_headers(event.meta))
+
+
+def _error(event: Failed) -> RequestError:
+    if event.body is not None:
+        exc: RequestError = ProviderRejected(event.status, event.body, event.content_type)
+    else:
+        exc = error_from_code(event.code, event.message)
+        exc.status = event.status
+    exc.headers = _meta_headers(event.meta)
+    return exc
+
+
+def _meta_headers(meta: Meta | None) -> dict[str, str]:
+    if meta is None:
+        return {}
+    return {
+        "x-iop-provider": meta.provider,
+        "x-iop-node": meta.node,
+        "x-iop-served-model": meta.target,
+        "x-iop-queue-ms": str(meta.queue_ms),
+    }
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

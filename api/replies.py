@@ -1,0 +1,87 @@
+"""One reader per API process: it reads the process's reply stream and hands each
+event to the request waiting for it. Thousands of waiting requests cost one blocking
+Redis connection, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from dispatcher import events
+from dispatcher.redis_conn import BLOCK_MS
+
+log = logging.getLogger("iop.api.replies")
+
+READ_BATCH = 1000
+
+
+class Waiter:
+    """The events of one job, in the order its worker wrote them."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def push(self, data: bytes) -> None:
+        self._queue.put_nowait(data)
+
+    async def next(self, wait_s: float | None) -> events.Event | None:
+        """The next event, or None when ``wait_s`` seconds pass first."""
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(wait_s):
+                    data = await self._queue.get()
+            except TimeoutError:
+                return None
+        else:
+            data = self._queue.get_nowait()
+        return events.decode(data)
+
+
+class ReplyReader:
+    def __init__(self, redis: Redis, reply_key: str) -> None:
+        self.redis = redis
+        self.key = reply_key
+        self.waiters: dict[str, Waiter] = {}
+        self.last_id: bytes = b"0-0"
+        self.connected = False
+
+    def register(self, job_id: str) -> Waiter:
+        waiter = Waiter()
+        self.waiters[job_id] = waiter
+        return waiter
+
+    def unregister(self, job_id: str) -> None:
+        self.waiters.pop(job_id, None)
+
+    async def run(self) -> None:
+        delay = 0.05
+        trim = False
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    if trim:
+                        # What was read is delivered: drop it in the same round trip as the next read.
+                        pipe.xtrim(self.key, minid=self.last_id)
+                    pipe.xread({self.key: self.last_id}, count=READ_BATCH, block=BLOCK_MS)
+                    result = (await pipe.execute())[-1]
+                self.connected = True
+                delay = 0.05
+            except RedisError as exc:
+                self.connected = False
+                log.warning("reading replies failed: %s", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            trim = bool(result)
+            for _stream, entries in result or []:
+                for entry_id, fields in entries:
+                    self.last_id = entry_id
+                    waiter = self.waiters.get(fields[b"j"].decode())
+                    if waiter is not None:
+                        waiter.push(fields[b"e"])

@@ -1,0 +1,310 @@
+"""The configuration: YAML decoded straight into frozen structs, then cross-checked.
+
+Decoding (``msgspec.yaml.decode``) rejects unknown fields and wrong types with a
+``$.path``; it stops at the first such error. Everything that needs more than one
+field to judge -- references between models and providers, duplicates, enums,
+ranges -- is checked afterwards by :func:`validate`, which reports *all* problems
+at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from dispatcher.exceptions import ConfigError, ConfigProblem
+
+PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "openai_api", "cli")
+HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
+CATEGORIES = ("api", "cli", "local_inference")
+
+# The category a provider gets when the config does not name one.
+DEFAULT_CATEGORY = {
+    "vllm": "local_inference",
+    "sglang": "local_inference",
+    "lemonade": "local_inference",
+    "ollama": "local_inference",
+    "openai_api": "api",
+    "cli": "cli",
+}
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RedisConfig(_Base, frozen=True):
+    url: str | None = None
+
+
+class ApiConfig(_Base, frozen=True):
+    # Name of an env var holding comma-separated caller keys; unset = open API.
+    api_keys_env: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+class QueueConfig(_Base, frozen=True):
+    max_queue: int = 100
+    queue_timeout_ms: int = 30_000
+
+
+class DispatchConfig(_Base, frozen=True):
+    """Timings of the dispatch machinery (leases, heartbeats, reaper)."""
+
+    # A running job's slot is held by a lease the worker renews every third of it.
+    lease_ms: int = 15_000
+    # A provider whose last heartbeat is older than this is not chosen.
+    heartbeat_ttl_ms: int = 10_000
+    heartbeat_interval_ms: int = 2_000
+    probe_interval_ms: int = 5_000
+    probe_timeout_ms: int = 2_000
+    reap_interval_ms: int = 1_000
+    # Dispatches of one job when its worker dies before any output reached the client.
+    max_attempts: int = 2
+    # SIGTERM: running jobs get this long to finish before they are cancelled.
+    drain_grace_s: float = 30.0
+
+
+class ModelConfig(_Base, frozen=True):
+    id: str
+    providers: dict[str, str]
+    display_name: str | None = None
+    max_queue: int | None = None
+    queue_timeout_ms: int | None = None
+
+
+class ProviderConfig(_Base, frozen=True):
+    id: str
+    type: str
+    models: list[str] = []
+    category: str | None = None
+    capacity: int = 1
+    base_url: str | None = None
+    api_key_env: str | None = None
+    command: list[str] | None = None
+    timeout_s: float = 600.0
+
+    @property
+    def effective_category(self) -> str:
+        return self.category or DEFAULT_CATEGORY.get(self.type, "api")
+
+
+class NodeConfig(_Base, frozen=True):
+    id: str
+    providers: list[ProviderConfig] = []
+
+
+class FakeProviderConfig(_Base, frozen=True):
+    """A fake OpenAI-compatible upstream that ``iop up`` starts (demo configs only)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    delay_ms: int = 0
+    tokens: int = 16
+    token_interval_ms: int = 0
+
+
+class DemoConfig(_Base, frozen=True):
+    fake_providers: list[FakeProviderConfig] = []
+
+
+class Config(_Base, frozen=True):
+    models: list[ModelConfig] = []
+    nodes: list[NodeConfig] = []
+    redis: RedisConfig = RedisConfig()
+    api: ApiConfig = ApiConfig()
+    queue: QueueConfig = QueueConfig()
+    dispatch: DispatchConfig = DispatchConfig()
+    demo: DemoConfig = DemoConfig()
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+    def node(self, node_id: str) -> NodeConfig | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def providers(self) -> Iterator[tuple[NodeConfig, ProviderConfig]]:
+        for node in self.nodes:
+            for provider in node.providers:
+                yield node, provider
+
+    def max_queue(self, model: ModelConfig) -> int:
+        return self.queue.max_queue if model.max_queue is None else model.max_queue
+
+    def queue_timeout_ms(self, model: ModelConfig) -> int:
+        return self.queue.queue_timeout_ms if model.queue_timeout_ms is None else model.queue_timeout_ms
+
+
+def normalise_base_url(url: str) -> str:
+    """``http://h:8000/v1/`` and ``http://h:8000`` name the same server root."""
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
+
+
+def validate(config: Config) -> list[ConfigProblem]:
+    """Every cross-field problem of ``config``, each with the path of the offending value."""
+    problems: list[ConfigProblem] = []
+
+    def bad(path: str, message: str) -> None:
+        problems.append(ConfigProblem(path, message))
+
+    providers: dict[str, ProviderConfig] = {}
+    prov: ProviderConfig | None
+    for path, pid in _duplicates((f"$.nodes[{i}].id", n.id) for i, n in enumerate(config.nodes)):
+        bad(path, f"duplicate node id {pid!r}")
+    for ni, node in enumerate(config.nodes):
+        if not node.id:
+            bad(f"$.nodes[{ni}].id", "must not be empty")
+        for pi, prov in enumerate(node.providers):
+            path = f"$.nodes[{ni}].providers[{pi}]"
+            if prov.id in providers:
+                bad(f"{path}.id", f"duplicate provider id {prov.id!r}")
+            providers.setdefault(prov.id, prov)
+            problems.extend(_provider_problems(path, prov))
+
+    for path, mid in _duplicates((f"$.models[{i}].id", m.id) for i, m in enumerate(config.models)):
+        bad(path, f"duplicate model id {mid!r}")
+    for mi, model in enumerate(config.models):
+        path = f"$.models[{mi}]"
+        if not model.id:
+            bad(f"{path}.id", "must not be empty")
+        if not model.providers:
+            bad(f"{path}.providers", "a model needs at least one provider")
+        for pid, served in model.providers.items():
+            prov = providers.get(pid)
+            if prov is None:
+                bad(f"{path}.providers.{pid}", f"no node defines provider {pid!r}")
+            elif served not in prov.models:
+                bad(
+                    f"{path}.providers.{pid}",
+                    f"served name {served!r} is not in provider {pid!r} models {prov.models}",
+                )
+        if model.max_queue is not None and model.max_queue < 0:
+            bad(f"{path}.max_queue", f"must be >= 0, got {model.max_queue}")
+        if model.queue_timeout_ms is not None and model.queue_timeout_ms <= 0:
+            bad(f"{path}.queue_timeout_ms", f"must be > 0, got {model.queue_timeout_ms}")
+
+    if config.queue.max_queue < 0:
+        bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
+    if config.queue.queue_timeout_ms <= 0:
+        bad("$.queue.queue_timeout_ms", f"must be > 0, got {config.queue.queue_timeout_ms}")
+    if config.api.max_body_bytes <= 0:
+        bad("$.api.max_body_bytes", f"must be > 0, got {config.api.max_body_bytes}")
+    d = config.dispatch
+    for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
+                 "probe_timeout_ms", "reap_interval_ms", "max_attempts"):
+        if getattr(d, name) <= 0:
+            bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
+    if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:
+        bad("$.dispatch.heartbeat_interval_ms",
+            f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
+    if d.drain_grace_s < 0:
+        bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
+    return problems
+
+
+def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProblem]:
+    if not prov.id:
+        yield ConfigProblem(f"{path}.id", "must not be empty")
+    if prov.type not in PROVIDER_TYPES:
+        yield ConfigProblem(f"{path}.type", f"unknown type {prov.type!r}; expected one of {list(PROVIDER_TYPES)}")
+    if prov.category is not None and prov.category not in CATEGORIES:
+        yield ConfigProblem(
+            f"{path}.category", f"unknown category {prov.category!r}; expected one of {list(CATEGORIES)}"
+        )
+    if prov.capacity < 0:
+        yield ConfigProblem(
+            f"{path}.capacity", f"must be >= 0, got {prov.capacity} (0 keeps the provider out of rotation)"
+        )
+    if prov.timeout_s <= 0:
+        yield ConfigProblem(f"{path}.timeout_s", f"must be > 0, got {prov.timeout_s}")
+    if prov.type in HTTP_TYPES and not prov.base_url:
+        yield ConfigProblem(f"{path}.base_url", f"required for type {prov.type!r}")
+    if prov.base_url and not prov.base_url.startswith(("http://", "https://")):
+        yield ConfigProblem(f"{path}.base_url", "must start with http:// or https://")
+    if prov.type == "cli" and not prov.command:
+        yield ConfigProblem(f"{path}.command", "required for type 'cli' (an argv list)")
+    for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
+        yield ConfigProblem(path_, f"duplicate served name {name!r}")
+
+
+def _duplicates(items: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    seen: set[str] = set()
+    for path, value in items:
+        if value in seen:
+            yield path, value
+        seen.add(value)
+
+
+def _normalised(config: Config) -> Config:
+    nodes = [
+        msgspec.structs.replace(
+            node,
+            providers=[
+                msgspec.structs.replace(p, base_url=normalise_base_url(p.base_url)) if p.base_url else p
+                for p in node.providers
+            ],
+        )
+        for node in config.nodes
+    ]
+    redis_url = os.environ.get("IOP_REDIS_URL") or config.redis.url
+    return msgspec.structs.replace(config, nodes=nodes, redis=RedisConfig(url=redis_url))
+
+
+def decode(data: bytes | str) -> Config:
+    """Decode and validate YAML text; raise :class:`ConfigError` listing every problem."""
+    try:
+        raw: Any = msgspec.yaml.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ConfigError([ConfigProblem("$", f"not valid YAML: {exc}")]) from None
+    return from_builtins(raw)
+
+
+def from_builtins(raw: Any) -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([ConfigProblem("$", "the config must be a mapping")])
+    try:
+        config = msgspec.convert(raw, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError([_problem_from_validation(exc)]) from None
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems)
+    return _normalised(config)
+
+
+def load(path: str | Path) -> Config:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError([ConfigProblem("$", f"cannot read {path}: {exc.strerror}")]) from None
+    return decode(data)
+
+
+def _problem_from_validation(exc: msgspec.ValidationError) -> ConfigProblem:
+    # msgspec ends its message with " - at `$.a.b`"; split it so the path comes first like ours.
+    text = str(exc)
+    message, sep, where = text.rpartition(" - at `")
+    if not sep:
+        message, where = text, "$"
+    where = where.rstrip("`")
+    if where.startswith("key` in `"):
+        where = where[len("key` in `"):]
+        message += " (mapping key)"
+    unknown = _UNKNOWN_FIELD.fullmatch(message)
+    if unknown:
+        # Point at the misspelt field itself, not at the object holding it.
+        return ConfigProblem(f"{where}.{unknown.group(1)}", f"unknown field `{unknown.group(1)}`")
+    return ConfigProblem(where, message)
+
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.+)`")

@@ -1,0 +1,141 @@
+"""What travels through Redis between the API and the workers.
+
+* :class:`Assignment` -- a node stream entry: one dispatched job, its rewritten target
+  and its body, as ``lua/lib/pump.lua`` writes it.
+* :class:`Event` -- what a worker tells the waiting API process about a job, on that
+  process's reply stream, msgpack-encoded: a streamed answer is ``Start`` (with the
+  first chunks), ``Chunks``..., then ``End`` or ``Failed``; a JSON answer is one
+  ``Done`` or ``Failed``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dispatcher.exceptions import ProviderRejected, RequestError
+
+
+class Meta(msgspec.Struct, frozen=True, array_like=True):
+    """Where the job ran; the API turns it into ``x-iop-*`` headers."""
+
+    provider: str
+    node: str
+    target: str
+    queue_ms: int
+    attempt: int = 1
+
+
+class Start(msgspec.Struct, tag="start", array_like=True):
+    meta: Meta
+    status: int
+    chunks: list[bytes] = []
+
+
+class Chunks(msgspec.Struct, tag="chunks", array_like=True):
+    chunks: list[bytes]
+
+
+class End(msgspec.Struct, tag="end", array_like=True):
+    # Set only when the stream produced no chunk at all (no Start event carried it).
+    meta: Meta | None = None
+
+
+class Done(msgspec.Struct, tag="done", array_like=True):
+    meta: Meta
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    status: int
+    code: str
+    message: str
+    meta: Meta | None = None
+    # A provider's own 4xx answer, passed through unchanged.
+    body: bytes | None = None
+    content_type: str = "application/json"
+
+    @classmethod
+    def from_error(cls, exc: RequestError, meta: Meta | None = None) -> Failed:
+        if isinstance(exc, ProviderRejected):
+            return cls(exc.status, exc.code or "", exc.message, meta, exc.raw_body, exc.content_type)
+        return cls(exc.status, exc.code or "", exc.message, meta)
+
+
+Event = Start | Chunks | End | Done | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> Event:
+    return _decoder.decode(data)
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    """One entry of a node stream (field names as ``lua/lib/pump.lua`` writes them)."""
+
+    entry_id: str
+    job: str
+    fence: int
+    provider: str
+    target: str
+    model: str
+    replica: str
+    endpoint: str
+    stream: bool
+    attempt: int
+    submitted_ms: int
+    dispatched_ms: int
+    body: bytes
+
+    @property
+    def queue_ms(self) -> int:
+        return self.dispatched_ms - self.submitted_ms
+
+    @classmethod
+    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Assignment:
+        f = fields
+        return cls(
+            entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+            job=f[b"j"].decode(),
+            fence=int(f[b"f"]),
+            provider=f[b"p"].decode(),
+            target=f[b"t"].decode(),
+            model=f[b"m"].decode(),
+            replica=f[b"rep"].decode(),
+            endpoint=f[b"ep"].decode(),
+            stream=f[b"s"] == b"1",
+            attempt=int(f[b"a"]),
+            submitted_ms=int(f[b"t0"]),
+            dispatched_ms=int(f[b"t1"]),
+            body=f[b"b"],
+        )
+
+
+class JobRecord(msgspec.Struct, frozen=True):
+    """A job's record in the ``{iop}:jobs`` hash (see ``lua/lib/jobs.lua``)."""
+
+    model: str = msgspec.field(name="m")
+    replica: str = msgspec.field(name="rep")
+    state: str = msgspec.field(name="st")
+    seq: int = 0
+    deadline_ms: int = msgspec.field(name="d", default=0)
+    attempt: int = msgspec.field(name="a", default=1)
+    provider: str | None = msgspec.field(name="p", default=None)
+    node: str | None = msgspec.field(name="n", default=None)
+    fence: int | None = msgspec.field(name="f", default=None)
+    entry_id: str | None = msgspec.field(name="ne", default=None)
+    output_started: int = msgspec.field(name="o", default=0)
+
+
+_record_decoder = msgspec.json.Decoder(JobRecord)
+
+
+def decode_record(data: bytes) -> JobRecord:
+    return _record_decoder.decode(data)

@@ -1,0 +1,189 @@
+"""Every error iop raises on purpose, and the OpenAI-style answer it maps to.
+
+Hierarchy::
+
+    IopError
+    ├── ConfigError                 the config file is wrong; ``.problems`` lists every problem
+    └── RequestError                a request ends with an OpenAI-style error answer
+        ├── InvalidRequest          400 invalid_request_error (malformed JSON, no ``model`` …)
+        ├── Unauthorized            401 invalid_api_key
+        ├── ModelNotFound           404 model_not_found
+        ├── BodyTooLarge            413 request_too_large
+        ├── QueueFull               429 queue_full, with Retry-After
+        ├── QueueTimeout            503 queue_timeout, with Retry-After
+        ├── Overloaded              503 server_overloaded, with Retry-After
+        ├── RedisUnavailable        503 redis_unavailable, with Retry-After
+        └── ProviderError           the provider call failed (raised in workers, relayed to the API)
+            ├── ProviderUnreachable 502 provider_error (connect error, 5xx, garbage)
+            ├── ProviderTimeout     504 provider_timeout
+            ├── ProviderRejected    the provider's own 4xx, passed through with its body
+            ├── WorkerLost          502 worker_lost (the worker died after output started)
+            └── JobCancelled        499 cancelled (only ever seen in logs: the client left)
+
+A ``RequestError`` carries everything the API needs to answer: HTTP status,
+``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``.
+Workers send provider errors back to the API as events (``dispatcher.events``),
+so the same classes describe a failure on both sides of Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+
+class IopError(Exception):
+    """Base class of every error iop raises on purpose."""
+
+
+class ConfigProblem(msgspec.Struct, frozen=True):
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ConfigError(IopError):
+    """The configuration cannot be used. ``problems`` holds all of them, each with its path."""
+
+    def __init__(self, problems: Sequence[ConfigProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class RequestError(IopError):
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+    retry_after: int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if retry_after is not None:
+            self.retry_after = retry_after
+        # Response headers the answer carries besides Retry-After (where the job ran).
+        self.headers: dict[str, str] = {}
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(RequestError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(RequestError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class BodyTooLarge(RequestError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class QueueFull(RequestError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after = 1
+
+
+class QueueTimeout(RequestError):
+    status = 503
+    type = "server_error"
+    code = "queue_timeout"
+    retry_after = 1
+
+
+class Overloaded(RequestError):
+    status = 503
+    type = "server_error"
+    code = "server_overloaded"
+    retry_after = 1
+
+
+class RedisUnavailable(RequestError):
+    status = 503
+    type = "server_error"
+    code = "redis_unavailable"
+    retry_after = 1
+
+
+class ProviderError(RequestError):
+    status = 502
+    type = "server_error"
+    code = "provider_error"
+
+
+class ProviderUnreachable(ProviderError):
+    pass
+
+
+class ProviderTimeout(ProviderError):
+    status = 504
+    code = "provider_timeout"
+
+
+class WorkerLost(ProviderError):
+    code = "worker_lost"
+
+
+class JobCancelled(ProviderError):
+    status = 499
+    code = "cancelled"
+
+
+class ProviderRejected(ProviderError):
+    """The provider answered 4xx: the caller gets that status and body unchanged."""
+
+    type = "invalid_request_error"
+    code = "provider_rejected"
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        super().__init__(f"provider answered {status}")
+        self.status = status
+        self.raw_body = body
+        self.content_type = content_type
+
+
+_BY_CODE: dict[str, type[RequestError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequest,
+        Unauthorized,
+        BodyTooLarge,
+        QueueFull,
+        QueueTimeout,
+        Overloaded,
+        RedisUnavailable,
+        ProviderUnreachable,
+        ProviderTimeout,
+        WorkerLost,
+        JobCancelled,
+    )
+    if cls.code is not None
+}
+
+
+def error_from_code(code: str, message: str) -> RequestError:
+    """Rebuild the error a worker reported (by its ``code``) on the API side."""
+    cls = _BY_CODE.get(code, ProviderUnreachable)
+    return cls(message)

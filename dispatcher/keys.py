@@ -1,0 +1,69 @@
+"""Every Redis key and channel iop uses, in one place.
+
+All keys carry the hash tag ``{iop}`` so that they live in one Redis Cluster slot
+and every script can be given all of its keys in KEYS.
+
+| key                      | type   | holds                                                          |
+|--------------------------|--------|----------------------------------------------------------------|
+| ``{iop}:p:<provider>``   | hash   | node, type, category, capacity, models, health, hb_ms, hb_exp,  |
+|                          |        | in_flight, probe reason (written by its node's worker)         |
+| ``{iop}:q:<model>``      | zset   | waiting jobs of a model group: job id -> submit seq (FIFO)     |
+| ``{iop}:n:<node>``       | stream | jobs dispatched to a node, with the rewritten target; group    |
+|                          |        | ``workers`` is consumed by that node's worker processes        |
+| ``{iop}:r:<replica>``    | stream | events for the requests one API process is waiting on         |
+| ``{iop}:rj:<replica>``   | set    | job ids an API process submitted and still waits on            |
+| ``{iop}:jobs``           | hash   | job id -> JSON record (state, model, provider, fence, times)   |
+| ``{iop}:body``           | hash   | job id -> request body, until the job ends                     |
+| ``{iop}:leases``         | zset   | job id -> lease expiry ms: the proof that a slot is held       |
+| ``{iop}:deadlines``      | zset   | job id -> queue deadline ms of waiting (or expired) jobs       |
+| ``{iop}:replicas``       | zset   | API replica id -> liveness expiry ms                           |
+| ``{iop}:seq``            | string | submit counter (global FIFO order across groups)               |
+| ``{iop}:fence``          | string | dispatch counter (fencing tokens)                              |
+
+Channel ``{iop}:cancel:<node>`` tells a node's workers to abort a running job.
+"""
+
+from __future__ import annotations
+
+PREFIX = "{iop}"
+
+JOBS = f"{PREFIX}:jobs"
+BODIES = f"{PREFIX}:body"
+LEASES = f"{PREFIX}:leases"
+DEADLINES = f"{PREFIX}:deadlines"
+FENCE = f"{PREFIX}:fence"
+SEQ = f"{PREFIX}:seq"
+REPLICAS = f"{PREFIX}:replicas"
+REAPER_LOCK = f"{PREFIX}:reaper"
+
+# The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
+# fifth (lua/lib/pump.lua).
+JOB_KEYS = (JOBS, BODIES, LEASES, DEADLINES)
+PUMP_KEYS = (*JOB_KEYS, FENCE)
+
+NODE_GROUP = "workers"
+CANCEL_CHANNEL_PREFIX = f"{PREFIX}:cancel:"
+
+
+def provider(provider_id: str) -> str:
+    return f"{PREFIX}:p:{provider_id}"
+
+
+def queue(model_id: str) -> str:
+    return f"{PREFIX}:q:{model_id}"
+
+
+def node(node_id: str) -> str:
+    return f"{PREFIX}:n:{node_id}"
+
+
+def reply(replica_id: str) -> str:
+    return f"{PREFIX}:r:{replica_id}"
+
+
+def replica_jobs(replica_id: str) -> str:
+    return f"{PREFIX}:rj:{replica_id}"
+
+
+def cancel_channel(node_id: str) -> str:
+    return f"{CANCEL_CHANNEL_PREFIX}{node_id}"

@@ -1,0 +1,132 @@
+"""Maintenance that keeps Redis honest when processes die: expired leases, dead API
+replicas, and waiting jobs nobody will ever collect.
+
+It runs inside every API and worker process; a short lock lets one of them do a round
+per interval. Each round reads candidates with plain commands, then hands every one to
+a script that checks it again before acting, so a round that races with normal
+traffic -- or with another round -- changes nothing it should not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import cast
+
+from redis.asyncio import Redis
+
+from dispatcher import events, keys
+from dispatcher.config import Config
+from dispatcher.events import Failed, decode_record
+from dispatcher.exceptions import WorkerLost
+from dispatcher.jobs import REPLY_KEEP_MS, JobClient
+from dispatcher.plans import Plan, Plans, build
+from dispatcher.scripts import Scripts
+
+log = logging.getLogger("iop.reaper")
+
+BATCH = 200
+# A live API cancels its own expired jobs at their deadline; this is the backstop for
+# one that could not (Redis was away at that moment).
+ORPHAN_GRACE_MS = 30_000
+
+
+@dataclass
+class ReapStats:
+    leases: dict[str, int]
+    replicas: int = 0
+    orphans: int = 0
+
+
+class Reaper:
+    def __init__(self, redis: Redis, scripts: Scripts, config: Config, plans: Plans, owner: str) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.config = config
+        self.plans = plans
+        self.owner = owner
+        self.jobs = JobClient(redis, scripts, config, plans, owner)
+        self._lost_event = events.encode(
+            Failed.from_error(WorkerLost("the worker running this request stopped after output had started"))
+        )
+        self._empty_plan = build(config, [])
+
+    async def run_once(self) -> ReapStats | None:
+        """One round, if no other process holds the round lock; None when skipped."""
+        interval = self.config.dispatch.reap_interval_ms
+        if not await self.redis.set(keys.REAPER_LOCK, self.owner, nx=True, px=interval):
+            return None
+        now = await self.now_ms()
+        stats = ReapStats(leases=await self.reap_leases(now))
+        stats.replicas = await self.reap_replicas(now)
+        stats.orphans = await self.reap_orphans(now)
+        return stats
+
+    async def now_ms(self) -> int:
+        sec, usec = await self.redis.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    async def reap_leases(self, now: int) -> dict[str, int]:
+        """Leases past expiry: the slot comes back; the job is retried or failed."""
+        outcomes: dict[str, int] = {}
+        expired = cast(list[bytes], await self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=BATCH))
+        if not expired:
+            return outcomes
+        records = cast(list[bytes | None], await self.redis.hmget(keys.JOBS, expired))
+        for raw_job, raw in zip(expired, records, strict=True):
+            job = raw_job.decode()
+            if raw is None:
+                await self.redis.zrem(keys.LEASES, job)
+                continue
+            rec = decode_record(raw)
+            if rec.provider is None or rec.node is None:
+                continue
+            plan: Plan = self.plans.by_provider.get(rec.provider, self._empty_plan)
+            ks, head = plan.args(
+                (*keys.PUMP_KEYS, keys.node(rec.node), keys.reply(rec.replica), keys.replica_jobs(rec.replica),
+                 keys.provider(rec.provider), keys.queue(rec.model)),
+                self.config.dispatch.lease_ms,
+            )
+            outcome, _ = await self.scripts.reap_lease(
+                ks, [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, self._lost_event, REPLY_KEEP_MS]
+            )
+            name = cast(bytes, outcome).decode()
+            outcomes[name] = outcomes.get(name, 0) + 1
+            if name != "skip":
+                log.warning("lease of job %s on %s expired: %s", job, rec.provider, name)
+        return outcomes
+
+    async def reap_replicas(self, now: int) -> int:
+        """API processes that stopped saying they are alive: cancel what they waited on."""
+        dead = cast(list[bytes], await self.redis.zrangebyscore(keys.REPLICAS, "-inf", now, start=0, num=20))
+        for raw_rep in dead:
+            replica = raw_rep.decode()
+            members = cast(list[bytes], await self.redis.srandmember(keys.replica_jobs(replica), BATCH) or [])
+            await self._cancel_all([m.decode() for m in members], replica)
+            if await self.redis.scard(keys.replica_jobs(replica)) == 0:
+                await self.redis.zrem(keys.REPLICAS, replica)
+                log.warning("API replica %s stopped; its jobs are cancelled", replica)
+        return len(dead)
+
+    async def reap_orphans(self, now: int) -> int:
+        """Waiting (or expired) jobs long past their deadline that no API collected."""
+        stale = cast(
+            list[bytes],
+            await self.redis.zrangebyscore(keys.DEADLINES, "-inf", now - ORPHAN_GRACE_MS, start=0, num=BATCH),
+        )
+        await self._cancel_all([s.decode() for s in stale], None)
+        return len(stale)
+
+    async def _cancel_all(self, jobs: list[str], replica: str | None) -> None:
+        if not jobs:
+            return
+        records = cast(list[bytes | None], await self.redis.hmget(keys.JOBS, jobs))
+        for job, raw in zip(jobs, records, strict=True):
+            if raw is None:
+                if replica is not None:
+                    await self.redis.srem(keys.replica_jobs(replica), job)
+                else:
+                    await self.redis.zrem(keys.DEADLINES, job)
+                continue
+            rec = decode_record(raw)
+            await self.jobs.cancel(job, rec.model, "client", rec.replica)

@@ -1,0 +1,33 @@
+"""Redis clients with timeouts and retries suited to a request path."""
+
+from __future__ import annotations
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+# Longest server-side block of an XREAD/XREADGROUP; must stay below SOCKET_TIMEOUT_S.
+BLOCK_MS = 2_000
+SOCKET_TIMEOUT_S = 5.0
+
+
+def connect(url: str | None, *, max_connections: int = 256) -> Redis:
+    """A client that fails fast when Redis is away and retries briefly on a dropped connection.
+
+    Every script iop calls is safe to run twice (``submit`` answers 'duplicate' for a
+    job id it has seen, the others are idempotent), so a retry after a lost reply
+    cannot double a decision.
+    """
+    pool = BlockingConnectionPool.from_url(
+        url or DEFAULT_URL,
+        socket_connect_timeout=1.0,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), retries=2),
+        max_connections=max_connections,
+        # Under a burst, wait for a free connection instead of failing the request.
+        timeout=SOCKET_TIMEOUT_S,
+    )
+    return Redis.from_pool(pool)

@@ -1,0 +1,1 @@
+"""The ``iop`` command line: run the API, the workers, a whole local system, and tools."""

@@ -1,0 +1,137 @@
+"""``iop``: the command line.
+
+    iop up [--config FILE]                 everything on one machine (embedded Redis if none is set)
+    iop api --config FILE [--host H] [--port P] [--workers N]
+    iop worker --config FILE --node NODE_ID
+    iop config check FILE
+    iop fake-provider --port P [--delay-ms D] [--tokens N] [--token-interval-ms T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dispatcher import config as cfg
+from dispatcher.exceptions import ConfigError
+
+DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
+
+
+def _load(path: str) -> cfg.Config:
+    try:
+        return cfg.load(path)
+    except ConfigError as exc:
+        print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    config = _load(args.file)
+    providers = list(config.providers())
+    capacity = sum(p.capacity for _, p in providers)
+    print(f"{args.file}: OK - {len(config.models)} model(s), {len(config.nodes)} node(s), "
+          f"{len(providers)} provider(s), total capacity {capacity}")
+    for model in config.models:
+        pool = ", ".join(f"{pid} -> {served}" for pid, served in model.providers.items())
+        print(f"  {model.id}: {pool} (max_queue {config.max_queue(model)}, "
+              f"queue_timeout_ms {config.queue_timeout_ms(model)})")
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from iop.serve import serve_api
+
+    _load(args.config)  # report config problems here, not in every server process
+    serve_api(args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from iop.serve import serve_worker
+
+    config = _load(args.config)
+    if config.node(args.node) is None:
+        known = ", ".join(n.id for n in config.nodes) or "none"
+        print(f"{args.config}: no node {args.node!r} (nodes: {known})", file=sys.stderr)
+        return 2
+    serve_worker(config, args.node, log_level=args.log_level)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from iop.up import run_up
+
+    config_path = args.config or str(DEMO_CONFIG)
+    config = _load(config_path)
+    return run_up(config, config_path, host=args.host, port=args.port, api_workers=args.api_workers)
+
+
+def cmd_fake_provider(args: argparse.Namespace) -> int:
+    from iop.fake_provider import FakeOptions, run
+
+    options = FakeOptions(
+        delay_ms=args.delay_ms,
+        tokens=args.tokens,
+        token_interval_ms=args.token_interval_ms,
+        models=[m for m in args.models.split(",") if m] if args.models else ["fake-model"],
+        api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+    )
+    run(args.host, args.port, options)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iop", description="One OpenAI-compatible API over a pool of LLM providers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis (embedded unless IOP_REDIS_URL is set), API, workers, fake providers")
+    up.add_argument("--config", help="config file (default: the bundled demo config)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080)
+    up.add_argument("--api-workers", type=int, default=1, help="API processes")
+    up.set_defaults(func=cmd_up)
+
+    api = sub.add_parser("api", help="run API processes")
+    api.add_argument("--config", required=True)
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8080)
+    api.add_argument("--workers", type=int, default=1, help="API processes sharing the port")
+    api.add_argument("--log-level", default="info")
+    api.set_defaults(func=cmd_api)
+
+    worker = sub.add_parser("worker", help="run one node's worker")
+    worker.add_argument("--config", required=True)
+    worker.add_argument("--node", required=True, help="the node id (nodes[].id) this worker serves")
+    worker.add_argument("--log-level", default="info")
+    worker.set_defaults(func=cmd_worker)
+
+    config = sub.add_parser("config", help="config tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a config file, listing every problem")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_config_check)
+
+    fake = sub.add_parser("fake-provider", help="run the fake OpenAI-compatible upstream (tests, demo, benchmarks)")
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--port", type=int, required=True)
+    fake.add_argument("--delay-ms", type=int, default=0, help="wait before answering / before the first chunk")
+    fake.add_argument("--tokens", type=int, default=16, help="tokens per answer (stream chunks)")
+    fake.add_argument("--token-interval-ms", type=int, default=0, help="pause between stream chunks")
+    fake.add_argument("--models", default="", help="comma-separated model names it reports")
+    fake.add_argument("--api-key-env", help="env var holding the key it requires")
+    fake.set_defaults(func=cmd_fake_provider)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130

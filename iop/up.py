@@ -1,0 +1,185 @@
+"""``iop up``: the whole system on one machine, started and stopped in order.
+
+Redis first (embedded unless a URL is configured), then the fake providers the config
+asks for, the node workers, and the API. Ctrl-C (or SIGTERM) stops them in reverse
+order, so workers drain while Redis is still there. Children run in their own
+process groups: the terminal's Ctrl-C reaches only this supervisor, which decides
+the order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from types import FrameType
+from urllib.parse import urlsplit
+
+from dispatcher.config import Config
+from iop.redis_server import RedisServer, free_port
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Child:
+    role: str
+    what: str
+    proc: subprocess.Popen[bytes]
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.stopping = False
+
+    def spawn(self, role: str, what: str, argv: list[str], env: dict[str, str]) -> Child:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        child = Child(role, what, proc)
+        self.children.append(child)
+        return child
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        # API first (no new requests), then workers (they drain), then the fakes, Redis last.
+        for roles in (("api",), ("worker",), ("fake",)):
+            group = [c for c in self.children if c.role in roles and c.proc.poll() is None]
+            for child in group:
+                child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+        if self.redis is not None:
+            self.redis.close()
+
+
+def _wait_port(host: str, port: int, child: Child, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.role} {child.what} exited with status {child.proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{child.role} {child.what} did not listen on {host}:{port} within {timeout}s")
+
+
+def _wait_ready(url: str, child: Child, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.role} exited with status {child.proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _fake_models(config: Config, host: str, port: int) -> list[str]:
+    """Served names of the providers a fake on host:port stands in for."""
+    names: list[str] = []
+    for _, prov in config.providers():
+        if prov.base_url:
+            parts = urlsplit(prov.base_url)
+            if parts.port == port and parts.hostname in (host, "localhost", "127.0.0.1"):
+                names += [m for m in prov.models if m not in names]
+    return names
+
+
+def run_up(config: Config, config_path: str, *, host: str, port: int, api_workers: int) -> int:
+    sup = Supervisor()
+    py = sys.executable
+    config_path = os.path.abspath(config_path)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        sup.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    lines: list[str] = []
+    try:
+        redis_url = config.redis.url
+        if redis_url:
+            lines.append(f"  redis    {redis_url} (configured)")
+        else:
+            sup.redis = RedisServer(port=free_port())
+            sup.redis.start()
+            redis_url = sup.redis.url
+            lines.append(f"  redis    {redis_url} (embedded {sup.redis.binary}, v{sup.redis.version()})")
+        env = {**os.environ, "IOP_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+
+        for fake in config.demo.fake_providers:
+            if not _port_free(fake.host, fake.port):
+                raise RuntimeError(f"port {fake.host}:{fake.port} for a fake provider is already in use")
+            models = _fake_models(config, fake.host, fake.port)
+            argv = [py, "-m", "iop", "fake-provider", "--host", fake.host, "--port", str(fake.port),
+                    "--delay-ms", str(fake.delay_ms), "--tokens", str(fake.tokens),
+                    "--token-interval-ms", str(fake.token_interval_ms), "--models", ",".join(models)]
+            child = sup.spawn("fake", f"http://{fake.host}:{fake.port}", argv, env)
+            _wait_port(fake.host, fake.port, child)
+            lines.append(f"  fake     http://{fake.host}:{fake.port} serving {', '.join(models) or '-'}")
+
+        for node in config.nodes:
+            child = sup.spawn("worker", node.id, [py, "-m", "iop", "worker", "--config", config_path,
+                                                  "--node", node.id], env)
+            lines.append(f"  worker   node {node.id} (pid {child.proc.pid}): "
+                         + ", ".join(f"{p.id} [{p.type}, capacity {p.capacity}]" for p in node.providers))
+
+        if not _port_free(host, port):
+            raise RuntimeError(f"port {host}:{port} for the API is already in use (use --port)")
+        api = sup.spawn("api", f"http://{host}:{port}", [py, "-m", "iop", "api", "--config", config_path,
+                                                         "--host", host, "--port", str(port),
+                                                         "--workers", str(api_workers)], env)
+        _wait_ready(f"http://{host}:{port}/readyz", api)
+        lines.insert(0, f"  api      http://{host}:{port}/v1 ({api_workers} process(es), pid {api.proc.pid})")
+
+        model = config.models[0].id if config.models else "MODEL"
+        print("iop is up", *lines, sep="\n")
+        print(f"\nmodels: {', '.join(m.id for m in config.models)}")
+        print(f"try:    curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        print("Ctrl-C stops everything.", flush=True)
+
+        while not sup.stopping:
+            dead = sup.dead_child()
+            if dead is not None:
+                print(f"{dead.role} {dead.what} exited with status {dead.proc.returncode}; stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.2)
+        print("stopping...", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        print(f"iop up failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sup.stop()
+        print("stopped.", flush=True)

@@ -1,0 +1,35 @@
+-- finish: a worker is done with a job (answered, failed or aborted). Writes the final
+-- event, gives the slot back, acknowledges the node stream entry, then pumps every
+-- group the provider serves so the freed slot goes to the oldest waiting job.
+-- Fenced: a worker whose dispatch was taken over (its lease expired) changes nothing
+-- but its own delivery's acknowledgement.
+--
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
+-- KEYS[9]    provider hash   KEYS[..] plan keys of the provider's groups
+-- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
+-- ARGV[7]    consumer group     ARGV[8] final event ('' = none: nobody is listening)
+-- ARGV[9]    reply stream TTL ms
+-- Returns {outcome, dispatched}; outcome 'released' | 'stale'
+--!include lib/jobs.lua
+--!include lib/pump.lua
+
+local NODE, REPLY, REPLICA_JOBS, PROVIDER = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local job, entry, event = ARGV[4], ARGV[6], ARGV[8]
+
+-- The delivery is over whatever happened to the job: a pending entry would never leave.
+redis.call('XACK', NODE, ARGV[7], entry)
+redis.call('XDEL', NODE, entry)
+
+local rec = get_record(job)
+if not owned(rec, ARGV[5]) then
+  return {'stale', 0}
+end
+release_slot(job, PROVIDER)
+if event ~= '' and rec.st ~= 'c' then
+  redis.call('XADD', REPLY, '*', 'j', job, 'e', event)
+  redis.call('PEXPIRE', REPLY, tonumber(ARGV[9]))
+end
+drop_job(job, REPLICA_JOBS)
+return {'released', pump(now_ms())}

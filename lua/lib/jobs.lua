@@ -1,0 +1,51 @@
+-- Job records and slots: helpers shared by the scripts (included by scripts.py, never run alone).
+--
+-- Every script that includes this file takes these first:
+--   KEYS[1] jobs hash      job id -> JSON record (state, model, replica, provider, fence, ...)
+--   KEYS[2] bodies hash    job id -> request body (kept until the job ends, for redispatch)
+--   KEYS[3] leases zset    job id -> lease expiry ms: the proof that a slot is held
+--   KEYS[4] deadlines zset job id -> queue deadline ms (jobs waiting or expired in a queue)
+-- Record states: 'q' waiting in its group queue, 'd' dispatched (holds a lease),
+-- 'c' dispatched and cancel requested, 'x' expired in the queue. A finished job has no record.
+-- Time comes from the server (TIME), never from a client clock.
+
+local JOBS, BODIES, LEASES, DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function get_record(job)
+  local raw = redis.call('HGET', JOBS, job)
+  if not raw then return nil end
+  return cjson.decode(raw)
+end
+
+local function put_record(job, rec)
+  redis.call('HSET', JOBS, job, cjson.encode(rec))
+end
+
+-- Is this record still the dispatch the caller holds? (A requeued or redispatched job is not.)
+local function owned(rec, fence)
+  return rec ~= nil and rec.f == tonumber(fence) and (rec.st == 'd' or rec.st == 'c')
+end
+
+-- Forget a job entirely (it reached a terminal state).
+local function drop_job(job, rj_key)
+  redis.call('HDEL', JOBS, job)
+  redis.call('HDEL', BODIES, job)
+  redis.call('ZREM', DEADLINES, job)
+  if rj_key then redis.call('SREM', rj_key, job) end
+end
+
+-- Give a slot back. Only a live lease gives one back, so a second release is a no-op
+-- and in_flight never goes below zero.
+local function release_slot(job, pkey)
+  if redis.call('ZREM', LEASES, job) == 1 then
+    local inf = tonumber(redis.call('HGET', pkey, 'in_flight') or '0') or 0
+    if inf > 0 then redis.call('HINCRBY', pkey, 'in_flight', -1) end
+    return true
+  end
+  return false
+end

@@ -1,0 +1,54 @@
+-- reap_lease: a lease ran out (its worker died, hung, or never read the node stream).
+-- The slot comes back. A job whose output never reached its client is dispatched again,
+-- up to max_attempts; otherwise its client gets the given error event. A job whose
+-- client had left is simply dropped.
+--
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
+-- KEYS[9]    provider hash   KEYS[10] the job's group queue
+-- KEYS[..]   plan keys of the provider's groups
+-- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[4]    job id     ARGV[5] consumer group     ARGV[6] max attempts
+-- ARGV[7]    error event for the client     ARGV[8] reply stream TTL ms
+-- Returns {outcome, dispatched}; outcome 'requeued' | 'failed' | 'dropped' | 'skip' (lease is live)
+--!include lib/jobs.lua
+--!include lib/pump.lua
+
+local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local job = ARGV[4]
+local now = now_ms()
+
+local expiry = tonumber(redis.call('ZSCORE', LEASES, job))
+if expiry == nil or expiry > now then
+  return {'skip', 0}
+end
+local rec = get_record(job)
+if rec == nil then
+  redis.call('ZREM', LEASES, job)
+  return {'skip', 0}
+end
+release_slot(job, PROVIDER)
+if rec.ne then
+  redis.call('XACK', NODE, ARGV[5], rec.ne)
+  redis.call('XDEL', NODE, rec.ne)
+end
+
+local outcome
+if rec.st == 'c' then
+  drop_job(job, REPLICA_JOBS)
+  outcome = 'dropped'
+elseif rec.o ~= 1 and rec.a < tonumber(ARGV[6]) then
+  rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
+  rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
+  put_record(job, rec)
+  -- Back at its original place: the seq keeps it ahead of everything submitted later.
+  redis.call('ZADD', QUEUE, rec.seq, job)
+  redis.call('ZADD', DEADLINES, rec.d, job)
+  outcome = 'requeued'
+else
+  redis.call('XADD', REPLY, '*', 'j', job, 'e', ARGV[7])
+  redis.call('PEXPIRE', REPLY, tonumber(ARGV[8]))
+  drop_job(job, REPLICA_JOBS)
+  outcome = 'failed'
+end
+return {outcome, pump(now)}

@@ -1,0 +1,179 @@
+"""The API's own answers (no worker involved): bad input, unknown models, queue
+policy, auth, health. The app runs in-process against a private Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from litestar.testing import AsyncTestClient
+from redis.asyncio import Redis
+
+from api.app import create_app
+from dispatcher import config as cfg
+from dispatcher import keys
+from iop.redis_server import RedisServer
+
+pytestmark = pytest.mark.anyio
+
+
+def make_config(redis_url: str, **overrides: Any) -> cfg.Config:
+    raw: dict[str, Any] = {
+        "redis": {"url": redis_url},
+        "api": {"max_body_bytes": 4096},
+        "queue": {"max_queue": 1, "queue_timeout_ms": 300},
+        "models": [
+            {"id": "m", "display_name": "Model M", "providers": {"p": "served-m"}},
+            {"id": "org/model:tag", "providers": {"p": "served-m"}, "max_queue": 0},
+        ],
+        "nodes": [{"id": "n", "providers": [
+            {"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9", "models": ["served-m"]}]}],
+    }
+    raw.update(overrides)
+    return cfg.from_builtins(raw)
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, redis_client: Redis) -> AsyncIterator[AsyncTestClient[Any]]:
+    async with AsyncTestClient(create_app(make_config(redis_server.url))) as c:
+        yield c
+
+
+def error_of(resp: Any) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'"text"', None),
+        (b"{}", "model"),
+        (b'{"model": 7}', "model"),
+        (b'{"model": ""}', "model"),
+        (b'{"model": "m", "stream": "yes"}', "stream"),
+    ],
+)
+async def test_bad_bodies_are_400(client: AsyncTestClient[Any], body: bytes, param: str | None) -> None:
+    resp = await client.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+async def test_unknown_model_is_404_and_never_queued(client: AsyncTestClient[Any], redis_client: Redis) -> None:
+    resp = await client.post(CHAT, json={"model": "nope", "messages": []})
+    assert resp.status_code == 404
+    assert error_of(resp)["code"] == "model_not_found"
+    assert await redis_client.hlen(keys.JOBS) == 0
+
+
+async def test_oversized_body_is_413(client: AsyncTestClient[Any], redis_client: Redis) -> None:
+    resp = await client.post(CHAT, json={"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
+    assert resp.status_code == 413
+    assert error_of(resp)["code"] == "request_too_large"
+    assert await redis_client.hlen(keys.JOBS) == 0
+
+
+async def test_queue_deadline_is_503_with_retry_after(client: AsyncTestClient[Any], redis_client: Redis) -> None:
+    # No worker runs: the provider never heartbeats, so the job waits until its deadline.
+    resp = await client.post(CHAT, json={"model": "m", "messages": []})
+    assert resp.status_code == 503
+    assert error_of(resp)["code"] == "queue_timeout"
+    assert int(resp.headers["retry-after"]) >= 1
+    # The timed-out job left nothing behind.
+    assert await redis_client.hlen(keys.JOBS) == 0
+    assert await redis_client.zcard(keys.queue("m")) == 0
+    assert await redis_client.zcard(keys.DEADLINES) == 0
+
+
+async def test_queue_full_is_429(client: AsyncTestClient[Any]) -> None:
+    resp = await client.post(CHAT, json={"model": "org/model:tag", "messages": []})
+    assert resp.status_code == 429
+    err = error_of(resp)
+    assert err["code"] == "queue_full"
+    assert err["type"] == "rate_limit_error"
+    assert int(resp.headers["retry-after"]) >= 1
+
+
+async def test_models_list_and_lookup(client: AsyncTestClient[Any]) -> None:
+    listing = (await client.get("/v1/models")).json()
+    assert listing["object"] == "list"
+    assert [(m["id"], m["display_name"], m["object"]) for m in listing["data"]] == [
+        ("m", "Model M", "model"), ("org/model:tag", "org/model:tag", "model")]
+    one = await client.get("/v1/models/org/model:tag")
+    assert one.status_code == 200
+    assert one.json()["id"] == "org/model:tag"
+    missing = await client.get("/v1/models/nope")
+    assert missing.status_code == 404
+    assert error_of(missing)["code"] == "model_not_found"
+
+
+async def test_unknown_route_is_an_openai_error(client: AsyncTestClient[Any]) -> None:
+    resp = await client.get("/v1/nothing-here")
+    assert resp.status_code == 404
+    assert error_of(resp)["code"] == "not_found"
+    resp = await client.get(CHAT)
+    assert resp.status_code == 405
+
+
+async def test_health_and_readiness(client: AsyncTestClient[Any]) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "ready"
+
+
+async def test_api_keys(redis_server: RedisServer, redis_client: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "k1, k2")
+    app = create_app(make_config(redis_server.url, api={"api_keys_env": "IOP_TEST_KEYS"}))
+    async with AsyncTestClient(app) as c:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"},
+                        {"authorization": "Bearer "}):
+            resp = await c.get("/v1/models", headers=headers)
+            assert resp.status_code == 401, headers
+            assert error_of(resp)["code"] == "invalid_api_key"
+        for key in ("k1", "k2"):
+            assert (await c.get("/v1/models", headers={"authorization": f"Bearer {key}"})).status_code == 200
+        # Health stays open.
+        assert (await c.get("/healthz")).status_code == 200
+
+
+async def test_named_but_empty_key_variable_locks_the_api(
+    redis_server: RedisServer, redis_client: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "")
+    app = create_app(make_config(redis_server.url, api={"api_keys_env": "IOP_TEST_KEYS"}))
+    async with AsyncTestClient(app) as c:
+        assert (await c.get("/v1/models", headers={"authorization": "Bearer "})).status_code == 401
+
+
+async def test_redis_down_answers_503_quickly() -> None:
+    from iop.redis_server import free_port
+
+    app = create_app(make_config(f"redis://127.0.0.1:{free_port()}/0"))
+    async with AsyncTestClient(app) as c:
+        resp = await c.post(CHAT, json={"model": "m", "messages": []})
+        assert resp.status_code == 503
+        assert error_of(resp)["code"] == "redis_unavailable"
+        ready = await c.get("/readyz")
+        assert ready.status_code == 503
+        assert (await c.get("/healthz")).status_code == 200

@@ -1,0 +1,781 @@
+"""The config: decoding, cross-checks (every problem with its path), defaults and normalisation."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from dispatcher import config as cfg
+from dispatcher.exceptions import ConfigError, ConfigProblem
+
+# --------------------------------------------------------------------------- helpers
+
+
+def base() -> dict[str, Any]:
+    """A small valid config: one model served by one vllm provider on one node.
+
+    Every test takes a fresh copy and mutates it to introduce exactly the problem it checks.
+    """
+    return copy.deepcopy(
+        {
+            "redis": {"url": "redis://localhost:6379/0"},
+            "api": {"api_keys_env": "IOP_API_KEYS", "max_body_bytes": 1024},
+            "queue": {"max_queue": 10, "queue_timeout_ms": 5000},
+            "models": [
+                {"id": "m1", "display_name": "Model one", "providers": {"p1": "served-m1"}},
+            ],
+            "nodes": [
+                {
+                    "id": "n1",
+                    "providers": [
+                        {
+                            "id": "p1",
+                            "type": "vllm",
+                            "base_url": "http://gpu1:8000",
+                            "models": ["served-m1"],
+                            "capacity": 2,
+                        }
+                    ],
+                }
+            ],
+        }
+    )
+
+
+def provider(cfg_dict: dict[str, Any], node: int = 0, index: int = 0) -> dict[str, Any]:
+    prov: dict[str, Any] = cfg_dict["nodes"][node]["providers"][index]
+    return prov
+
+
+def problems_of(raw: Any) -> list[ConfigProblem]:
+    """The problems ``from_builtins(raw)`` raises; fails the test if it does not raise."""
+    with pytest.raises(ConfigError) as info:
+        cfg.from_builtins(raw)
+    assert info.value.problems, "ConfigError raised without problems"
+    return info.value.problems
+
+
+def only_problem(raw: Any) -> ConfigProblem:
+    problems = problems_of(raw)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def decode_problem(text: str) -> ConfigProblem:
+    with pytest.raises(ConfigError) as info:
+        cfg.decode(text)
+    assert len(info.value.problems) == 1, info.value.problems
+    return info.value.problems[0]
+
+
+@pytest.fixture(autouse=True)
+def _no_redis_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``IOP_REDIS_URL`` from the outer environment must not leak into these tests."""
+    monkeypatch.delenv("IOP_REDIS_URL", raising=False)
+
+
+# --------------------------------------------------------------------------- the base is valid
+
+
+def test_base_config_is_valid() -> None:
+    config = cfg.from_builtins(base())
+    assert cfg.validate(config) == []
+    assert [m.id for m in config.models] == ["m1"]
+    assert config.models[0].display_name == "Model one"
+    (node, prov), *rest = list(config.providers())
+    assert rest == []
+    assert (node.id, prov.id, prov.type, prov.capacity) == ("n1", "p1", "vllm", 2)
+    assert config.api.api_keys_env == "IOP_API_KEYS"
+    assert config.api.max_body_bytes == 1024
+    assert config.redis.url == "redis://localhost:6379/0"
+
+
+def test_valid_multi_node_multi_model_config_loads(tmp_path: Path) -> None:
+    text = textwrap.dedent(
+        """
+        redis:
+          url: redis://redis.internal:6379/2
+        api:
+          api_keys_env: IOP_KEYS
+          max_body_bytes: 2097152
+        queue:
+          max_queue: 50
+          queue_timeout_ms: 20000
+        models:
+          - id: "qwen3.6:35b"
+            display_name: Qwen 3.6 35B
+            providers:
+              gpu1-vllm: Qwen/Qwen3.6-35B-A3B
+              gpu2-ollama: qwen3.6:35b-q4_K_M
+            max_queue: 5
+          - id: gpt-4o-mini
+            providers:
+              openai: gpt-4o-mini
+            queue_timeout_ms: 1000
+          - id: claude-cli
+            providers:
+              claude: sonnet
+        nodes:
+          - id: gpu1
+            providers:
+              - id: gpu1-vllm
+                type: vllm
+                base_url: http://gpu1:8000/v1/
+                models: [Qwen/Qwen3.6-35B-A3B]
+                capacity: 4
+          - id: gpu2
+            providers:
+              - id: gpu2-ollama
+                type: ollama
+                base_url: http://gpu2:11434
+                models: [qwen3.6:35b-q4_K_M, llama3:8b]
+                capacity: 1
+                timeout_s: 120
+              - id: openai
+                type: openai_api
+                base_url: https://api.openai.com/v1
+                api_key_env: OPENAI_API_KEY
+                models: [gpt-4o-mini]
+                capacity: 8
+              - id: claude
+                type: cli
+                command: [claude, -p, --model, "{model}"]
+                models: [sonnet]
+                capacity: 0
+        """
+    )
+    path = tmp_path / "iop.yaml"
+    path.write_text(text)
+    config = cfg.load(path)
+
+    qwen = config.model("qwen3.6:35b")
+    assert qwen is not None
+    assert qwen.display_name == "Qwen 3.6 35B"
+    assert qwen.providers == {"gpu1-vllm": "Qwen/Qwen3.6-35B-A3B", "gpu2-ollama": "qwen3.6:35b-q4_K_M"}
+    assert config.max_queue(qwen) == 5
+    assert config.queue_timeout_ms(qwen) == 20000
+
+    mini = config.model("gpt-4o-mini")
+    assert mini is not None
+    assert config.max_queue(mini) == 50
+    assert config.queue_timeout_ms(mini) == 1000
+
+    assert config.model("nope") is None
+    assert [n.id for n in config.nodes] == ["gpu1", "gpu2"]
+    gpu2 = config.node("gpu2")
+    assert gpu2 is not None
+    assert [p.id for p in gpu2.providers] == ["gpu2-ollama", "openai", "claude"]
+    assert config.node("gpu3") is None
+
+    by_id = {p.id: (n.id, p) for n, p in config.providers()}
+    assert set(by_id) == {"gpu1-vllm", "gpu2-ollama", "openai", "claude"}
+    assert by_id["gpu1-vllm"][0] == "gpu1"
+    assert by_id["gpu1-vllm"][1].base_url == "http://gpu1:8000"
+    assert by_id["openai"][1].base_url == "https://api.openai.com"
+    assert by_id["openai"][1].api_key_env == "OPENAI_API_KEY"
+    assert by_id["openai"][1].effective_category == "api"
+    assert by_id["gpu2-ollama"][1].timeout_s == 120.0
+    assert by_id["gpu2-ollama"][1].effective_category == "local_inference"
+    assert by_id["claude"][1].command == ["claude", "-p", "--model", "{model}"]
+    assert by_id["claude"][1].capacity == 0
+    assert by_id["claude"][1].effective_category == "cli"
+    assert config.redis.url == "redis://redis.internal:6379/2"
+
+
+def test_config_is_frozen() -> None:
+    config = cfg.from_builtins(base())
+    with pytest.raises(AttributeError):
+        config.models[0].id = "other"
+
+
+# --------------------------------------------------------------------------- cross-field rules
+
+
+def test_model_references_provider_no_node_defines() -> None:
+    raw = base()
+    raw["models"][0]["providers"]["p9"] = "served-m1"
+    problem = only_problem(raw)
+    assert problem.path == "$.models[0].providers.p9"
+    assert "'p9'" in problem.message
+    assert "no node defines" in problem.message
+
+
+def test_served_name_missing_from_provider_models() -> None:
+    raw = base()
+    raw["models"][0]["providers"]["p1"] = "not-served"
+    problem = only_problem(raw)
+    assert problem.path == "$.models[0].providers.p1"
+    assert "'not-served'" in problem.message
+    assert "'p1'" in problem.message
+
+
+def test_duplicate_model_id_points_at_the_second() -> None:
+    raw = base()
+    raw["models"].append({"id": "m1", "providers": {"p1": "served-m1"}})
+    problem = only_problem(raw)
+    assert problem.path == "$.models[1].id"
+    assert "duplicate model id" in problem.message
+    assert "'m1'" in problem.message
+
+
+def test_duplicate_node_id_points_at_the_second() -> None:
+    raw = base()
+    raw["nodes"].append({"id": "n1", "providers": []})
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[1].id"
+    assert "duplicate node id" in problem.message
+    assert "'n1'" in problem.message
+
+
+def test_duplicate_provider_id_across_nodes() -> None:
+    raw = base()
+    raw["nodes"].append(
+        {
+            "id": "n2",
+            "providers": [
+                {"id": "p1", "type": "sglang", "base_url": "http://gpu2:30000", "models": ["served-m1"]}
+            ],
+        }
+    )
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[1].providers[0].id"
+    assert "duplicate provider id" in problem.message
+    assert "'p1'" in problem.message
+
+
+def test_duplicate_provider_id_within_one_node() -> None:
+    raw = base()
+    raw["nodes"][0]["providers"].append(copy.deepcopy(provider(raw)))
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[1].id"
+    assert "'p1'" in problem.message
+
+
+def test_duplicate_served_name_within_a_provider() -> None:
+    raw = base()
+    provider(raw)["models"] = ["served-m1", "other", "served-m1"]
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].models[2]"
+    assert "'served-m1'" in problem.message
+
+
+def test_model_with_no_providers() -> None:
+    raw = base()
+    raw["models"][0]["providers"] = {}
+    problem = only_problem(raw)
+    assert problem.path == "$.models[0].providers"
+    assert "at least one provider" in problem.message
+
+
+def test_model_without_providers_field_is_a_decode_error() -> None:
+    raw = base()
+    del raw["models"][0]["providers"]
+    problem = only_problem(raw)
+    assert problem.path == "$.models[0]"
+    assert "`providers`" in problem.message
+    assert "missing required field" in problem.message
+
+
+def test_unknown_provider_type() -> None:
+    raw = base()
+    provider(raw)["type"] = "tgi"
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].type"
+    assert "'tgi'" in problem.message
+    for known in cfg.PROVIDER_TYPES:
+        assert known in problem.message
+
+
+def test_unknown_category() -> None:
+    raw = base()
+    provider(raw)["category"] = "cloud"
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].category"
+    assert "'cloud'" in problem.message
+    for known in cfg.CATEGORIES:
+        assert known in problem.message
+
+
+@pytest.mark.parametrize("ptype", ["vllm", "sglang", "lemonade", "ollama", "openai_api"])
+@pytest.mark.parametrize("missing", ["absent", "null", "empty"])
+def test_http_type_needs_base_url(ptype: str, missing: str) -> None:
+    raw = base()
+    prov = provider(raw)
+    prov["type"] = ptype
+    if missing == "absent":
+        del prov["base_url"]
+    else:
+        prov["base_url"] = None if missing == "null" else ""
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].base_url"
+    assert "required" in problem.message
+    assert repr(ptype) in problem.message
+
+
+def test_base_url_must_be_http() -> None:
+    raw = base()
+    provider(raw)["base_url"] = "gpu1:8000"
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].base_url"
+    assert "http://" in problem.message
+
+
+@pytest.mark.parametrize("command", [None, []])
+def test_cli_needs_command(command: list[str] | None) -> None:
+    raw = base()
+    prov = provider(raw)
+    prov.update(type="cli", base_url=None)
+    if command is not None:
+        prov["command"] = command
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].command"
+    assert "required" in problem.message
+    assert "'cli'" in problem.message
+
+
+def test_cli_does_not_need_base_url() -> None:
+    raw = base()
+    prov = provider(raw)
+    prov.update(type="cli", command=["my-llm", "--stdin"])
+    del prov["base_url"]
+    config = cfg.from_builtins(raw)
+    assert config.nodes[0].providers[0].base_url is None
+    assert config.nodes[0].providers[0].command == ["my-llm", "--stdin"]
+
+
+def test_negative_capacity() -> None:
+    raw = base()
+    provider(raw)["capacity"] = -1
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].capacity"
+    assert ">= 0" in problem.message
+
+
+def test_zero_capacity_is_allowed() -> None:
+    raw = base()
+    provider(raw)["capacity"] = 0
+    assert cfg.from_builtins(raw).nodes[0].providers[0].capacity == 0
+
+
+@pytest.mark.parametrize("timeout", [0, -1.5])
+def test_provider_timeout_must_be_positive(timeout: float) -> None:
+    raw = base()
+    provider(raw)["timeout_s"] = timeout
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].timeout_s"
+    assert "> 0" in problem.message
+
+
+def test_empty_ids() -> None:
+    raw = base()
+    raw["nodes"].append({"id": "", "providers": []})
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[1].id"
+    assert "empty" in problem.message
+
+    raw = base()
+    raw["models"].append({"id": "", "providers": {"p1": "served-m1"}})
+    problem = only_problem(raw)
+    assert problem.path == "$.models[1].id"
+    assert "empty" in problem.message
+
+
+# --------------------------------------------------------------------------- range checks
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "expected"),
+    [
+        ("queue", "max_queue", -1, ">= 0"),
+        ("queue", "queue_timeout_ms", 0, "> 0"),
+        ("queue", "queue_timeout_ms", -5, "> 0"),
+        ("api", "max_body_bytes", 0, "> 0"),
+        ("dispatch", "lease_ms", 0, "> 0"),
+        ("dispatch", "heartbeat_ttl_ms", -1, "> 0"),
+        ("dispatch", "probe_interval_ms", 0, "> 0"),
+        ("dispatch", "probe_timeout_ms", 0, "> 0"),
+        ("dispatch", "reap_interval_ms", 0, "> 0"),
+        ("dispatch", "max_attempts", 0, "> 0"),
+        ("dispatch", "drain_grace_s", -0.5, ">= 0"),
+    ],
+)
+def test_section_range_checks(section: str, field: str, value: float, expected: str) -> None:
+    raw = base()
+    raw.setdefault(section, {})[field] = value
+    problems = problems_of(raw)
+    mine = [p for p in problems if p.path == f"$.{section}.{field}"]
+    assert len(mine) == 1, problems
+    assert expected in mine[0].message
+    # heartbeat_ttl_ms <= 0 also makes the default interval too long: nothing else may show up.
+    others = {p.path for p in problems} - {f"$.{section}.{field}"}
+    assert others <= {"$.dispatch.heartbeat_interval_ms"}
+
+
+def test_heartbeat_interval_must_be_shorter_than_ttl() -> None:
+    raw = base()
+    raw["dispatch"] = {"heartbeat_interval_ms": 10_000, "heartbeat_ttl_ms": 10_000}
+    problem = only_problem(raw)
+    assert problem.path == "$.dispatch.heartbeat_interval_ms"
+    assert "heartbeat_ttl_ms" in problem.message
+
+    raw["dispatch"] = {"heartbeat_interval_ms": 9_999, "heartbeat_ttl_ms": 10_000}
+    assert cfg.from_builtins(raw).dispatch.heartbeat_interval_ms == 9_999
+
+
+def test_zero_values_allowed_where_documented() -> None:
+    raw = base()
+    raw["queue"]["max_queue"] = 0
+    raw["models"][0]["max_queue"] = 0
+    raw["dispatch"] = {"drain_grace_s": 0}
+    config = cfg.from_builtins(raw)
+    assert config.queue.max_queue == 0
+    assert config.max_queue(config.models[0]) == 0
+    assert config.dispatch.drain_grace_s == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [("max_queue", -1, ">= 0"), ("queue_timeout_ms", 0, "> 0"), ("queue_timeout_ms", -1, "> 0")],
+)
+def test_model_queue_overrides_range(field: str, value: int, expected: str) -> None:
+    raw = base()
+    raw["models"][0][field] = value
+    problem = only_problem(raw)
+    assert problem.path == f"$.models[0].{field}"
+    assert expected in problem.message
+
+
+# --------------------------------------------------------------------------- all problems at once
+
+
+def test_several_errors_are_all_reported_in_one_config_error() -> None:
+    raw = base()
+    raw["models"][0]["providers"]["p9"] = "x"  # unknown provider
+    raw["models"].append({"id": "m1", "providers": {}})  # duplicate id + no providers
+    raw["nodes"][0]["providers"].append(
+        {"id": "p2", "type": "cli", "models": ["a"], "capacity": -3}  # no command, negative capacity
+    )
+    raw["nodes"].append(
+        {
+            "id": "n1",  # duplicate node id
+            "providers": [
+                {"id": "p1", "type": "vllm", "base_url": "http://x"},  # duplicate provider id
+                {"id": "p3", "type": "ollama", "category": "gpu"},  # no base_url, bad category
+                {"id": "p4", "type": "magic", "base_url": "http://y"},  # unknown type
+            ],
+        }
+    )
+    raw["queue"]["max_queue"] = -1
+    raw["dispatch"] = {"max_attempts": 0}
+
+    with pytest.raises(ConfigError) as info:
+        cfg.from_builtins(raw)
+    problems = info.value.problems
+    paths = [p.path for p in problems]
+    assert sorted(paths) == sorted(
+        [
+            "$.models[0].providers.p9",
+            "$.models[1].id",
+            "$.models[1].providers",
+            "$.nodes[0].providers[1].command",
+            "$.nodes[0].providers[1].capacity",
+            "$.nodes[1].id",
+            "$.nodes[1].providers[0].id",
+            "$.nodes[1].providers[1].base_url",
+            "$.nodes[1].providers[1].category",
+            "$.nodes[1].providers[2].type",
+            "$.queue.max_queue",
+            "$.dispatch.max_attempts",
+        ]
+    )
+    # The exception text lists every problem as "path: message", one per line.
+    lines = str(info.value).splitlines()
+    assert len(lines) == len(problems)
+    for problem in problems:
+        assert f"{problem.path}: {problem.message}" in lines
+
+
+def test_validate_returns_problems_without_raising() -> None:
+    raw = base()
+    raw["models"][0]["providers"] = {"p9": "x"}
+    config = msgspec.convert(raw, type=cfg.Config)
+    assert cfg.validate(config) == [
+        ConfigProblem("$.models[0].providers.p9", "no node defines provider 'p9'")
+    ]
+
+
+# --------------------------------------------------------------------------- decoding errors
+
+
+def test_unknown_top_level_field() -> None:
+    problem = decode_problem("models: []\nmodles: []\n")
+    assert problem.path == "$.modles"
+    assert "`modles`" in problem.message
+    assert "unknown field" in problem.message
+
+
+def test_unknown_nested_field_reports_its_path() -> None:
+    raw = base()
+    provider(raw)["capcity"] = 3
+    problem = only_problem(raw)
+    assert problem.path == "$.nodes[0].providers[0].capcity"
+    assert "`capcity`" in problem.message
+
+    raw = base()
+    raw["queue"]["timeout"] = 3
+    problem = only_problem(raw)
+    assert problem.path == "$.queue.timeout"
+    assert "`timeout`" in problem.message
+
+    raw = base()
+    raw["models"][0]["alias"] = "m"
+    problem = only_problem(raw)
+    assert problem.path == "$.models[0].alias"
+    assert "`alias`" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path", "expected"),
+    [
+        (lambda r: provider(r).update(capacity="2"), "$.nodes[0].providers[0].capacity", "`int`"),
+        (lambda r: provider(r).update(capacity=True), "$.nodes[0].providers[0].capacity", "`bool`"),
+        (lambda r: provider(r).update(command="echo hi"), "$.nodes[0].providers[0].command", "`str`"),
+        (lambda r: provider(r).update(models="served-m1"), "$.nodes[0].providers[0].models", "`str`"),
+        (lambda r: r["models"][0].update(providers=["p1"]), "$.models[0].providers", "`object`"),
+        # msgspec does not name the key of a bad dict value: "[...]" stands for it.
+        (lambda r: r["models"][0]["providers"].update(p1=3), "$.models[0].providers[...]", "`int`"),
+        (lambda r: r.update(models={"id": "m1"}), "$.models", "`array`"),
+        (lambda r: r.update(nodes=None), "$.nodes", "`null`"),
+        (lambda r: r["queue"].update(max_queue=1.5), "$.queue.max_queue", "`float`"),
+        (lambda r: r.update(redis="redis://x"), "$.redis", "`str`"),
+    ],
+)
+def test_wrong_type_reports_its_path(mutate: Any, path: str, expected: str) -> None:
+    raw = base()
+    mutate(raw)
+    problem = only_problem(raw)
+    assert problem.path == path
+    assert expected in problem.message
+
+
+def test_wrong_type_from_yaml_reports_its_path() -> None:
+    problem = decode_problem("nodes:\n  - id: n1\n    providers:\n      - id: p1\n        type: [vllm]\n")
+    assert problem.path == "$.nodes[0].providers[0].type"
+    assert "Expected `str`" in problem.message
+
+
+def test_non_string_mapping_key_reports_its_path() -> None:
+    problem = decode_problem("models:\n  - id: m1\n    providers: {1: served}\n")
+    assert problem.path == "$.models[0].providers"
+    assert "`str`" in problem.message
+    assert "mapping key" in problem.message
+
+
+@pytest.mark.parametrize("text", ["models: [1,\n", "a: b: c\n", "nodes:\n  - id: n1\n   bad: indent\n"])
+def test_yaml_syntax_error(text: str) -> None:
+    problem = decode_problem(text)
+    assert problem.path == "$"
+    assert problem.message.startswith("not valid YAML:")
+    assert "line" in problem.message
+
+
+def test_multiple_yaml_documents_are_rejected() -> None:
+    problem = decode_problem("models: []\n---\nnodes: []\n")
+    assert problem.path == "$"
+    assert "not valid YAML" in problem.message
+
+
+@pytest.mark.parametrize("text", ["- models\n- nodes\n", "just a string\n", "42\n"])
+def test_non_mapping_document(text: str) -> None:
+    problem = decode_problem(text)
+    assert problem == ConfigProblem("$", "the config must be a mapping")
+
+
+@pytest.mark.parametrize("raw", [[], "x", 3])
+def test_from_builtins_non_mapping(raw: Any) -> None:
+    assert only_problem(raw) == ConfigProblem("$", "the config must be a mapping")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing configured yet\n", "---\n"])
+def test_empty_document_gives_empty_valid_config(text: str) -> None:
+    config = cfg.decode(text)
+    assert config.models == []
+    assert config.nodes == []
+    assert config.redis.url is None
+    assert config.api == cfg.ApiConfig()
+    assert config.queue == cfg.QueueConfig(max_queue=100, queue_timeout_ms=30_000)
+    assert config.dispatch == cfg.DispatchConfig()
+    assert cfg.validate(config) == []
+
+
+def test_empty_file_loads(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_bytes(b"")
+    config = cfg.load(path)
+    assert config.models == []
+    assert config.nodes == []
+
+
+def test_decode_accepts_bytes() -> None:
+    config = cfg.decode(b"queue:\n  max_queue: 7\n")
+    assert config.queue.max_queue == 7
+    assert config.queue.queue_timeout_ms == 30_000
+
+
+# --------------------------------------------------------------------------- load()
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope" / "iop.yaml"
+    with pytest.raises(ConfigError) as info:
+        cfg.load(path)
+    (problem,) = info.value.problems
+    assert problem.path == "$"
+    assert str(path) in problem.message
+    assert "cannot read" in problem.message
+    assert "No such file or directory" in problem.message
+
+
+def test_load_directory_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg.load(tmp_path)
+    (problem,) = info.value.problems
+    assert str(tmp_path) in problem.message
+    assert "cannot read" in problem.message
+
+
+def test_load_reports_validation_problems(tmp_path: Path) -> None:
+    path = tmp_path / "iop.yaml"
+    path.write_text(msgspec.yaml.encode(base()).decode().replace("served-m1\n", "served-m2\n", 1))
+    with pytest.raises(ConfigError) as info:
+        cfg.load(str(path))
+    assert [p.path for p in info.value.problems] == ["$.models[0].providers.p1"]
+
+
+# --------------------------------------------------------------------------- redis env override
+
+
+def test_redis_url_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
+    assert cfg.from_builtins(base()).redis.url == "redis://override:6380/3"
+
+
+def test_redis_url_env_applies_without_redis_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
+    assert cfg.decode("").redis.url == "redis://override:6380/3"
+
+
+def test_redis_url_from_file_when_env_unset() -> None:
+    assert cfg.from_builtins(base()).redis.url == "redis://localhost:6379/0"
+
+
+def test_empty_redis_env_does_not_blank_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_REDIS_URL", "")
+    assert cfg.from_builtins(base()).redis.url == "redis://localhost:6379/0"
+
+
+# --------------------------------------------------------------------------- base_url normalisation
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://h:8000/v1/", "http://h:8000"),
+        ("http://h:8000/v1", "http://h:8000"),
+        ("http://h:8000/", "http://h:8000"),
+        ("http://h:8000", "http://h:8000"),
+        ("https://api.example.com/v1", "https://api.example.com"),
+        ("http://h:8000/api/v1/", "http://h:8000/api"),
+        ("http://h:8000/v10", "http://h:8000/v10"),
+        ("http://h:8000/xv1", "http://h:8000/xv1"),
+    ],
+)
+def test_normalise_base_url(url: str, expected: str) -> None:
+    assert cfg.normalise_base_url(url) == expected
+
+
+def test_base_url_is_normalised_on_load() -> None:
+    raw = base()
+    provider(raw)["base_url"] = "http://h:8000/v1/"
+    assert cfg.from_builtins(raw).nodes[0].providers[0].base_url == "http://h:8000"
+
+
+# --------------------------------------------------------------------------- categories
+
+
+@pytest.mark.parametrize(
+    ("ptype", "category"),
+    [
+        ("vllm", "local_inference"),
+        ("sglang", "local_inference"),
+        ("lemonade", "local_inference"),
+        ("ollama", "local_inference"),
+        ("openai_api", "api"),
+        ("cli", "cli"),
+    ],
+)
+def test_category_derived_from_type(ptype: str, category: str) -> None:
+    raw = base()
+    prov = provider(raw)
+    prov["type"] = ptype
+    if ptype == "cli":
+        prov.update(base_url=None, command=["run-model"])
+    loaded = cfg.from_builtins(raw).nodes[0].providers[0]
+    assert loaded.category is None
+    assert loaded.effective_category == category
+
+
+def test_explicit_category_wins_over_type() -> None:
+    raw = base()
+    provider(raw)["category"] = "api"  # a vllm hosted elsewhere, billed like an API
+    loaded = cfg.from_builtins(raw).nodes[0].providers[0]
+    assert loaded.category == "api"
+    assert loaded.effective_category == "api"
+
+
+# --------------------------------------------------------------------------- queue defaults
+
+
+def test_queue_settings_fall_back_to_queue_section() -> None:
+    config = cfg.from_builtins(base())
+    model = config.models[0]
+    assert model.max_queue is None
+    assert model.queue_timeout_ms is None
+    assert config.max_queue(model) == 10
+    assert config.queue_timeout_ms(model) == 5000
+
+
+def test_queue_settings_fall_back_to_builtin_defaults() -> None:
+    raw = base()
+    del raw["queue"]
+    config = cfg.from_builtins(raw)
+    assert config.max_queue(config.models[0]) == 100
+    assert config.queue_timeout_ms(config.models[0]) == 30_000
+
+
+def test_per_model_queue_overrides() -> None:
+    raw = base()
+    raw["models"][0].update(max_queue=3, queue_timeout_ms=750)
+    raw["models"].append({"id": "m2", "providers": {"p1": "served-m1"}, "max_queue": 0})
+    config = cfg.from_builtins(raw)
+    m1, m2 = config.models
+    assert (config.max_queue(m1), config.queue_timeout_ms(m1)) == (3, 750)
+    # max_queue 0 is an override (not "unset"): the queue default must not leak through.
+    assert (config.max_queue(m2), config.queue_timeout_ms(m2)) == (0, 5000)
+
+
+def test_provider_defaults() -> None:
+    raw = base()
+    prov = provider(raw)
+    del prov["capacity"]
+    config = cfg.from_builtins(raw)
+    loaded = config.nodes[0].providers[0]
+    assert loaded.capacity == 1
+    assert loaded.timeout_s == 600.0
+    assert loaded.api_key_env is None
+    assert loaded.command is None

@@ -1,0 +1,230 @@
+"""A whole iop system made of real processes, for end-to-end and fault tests.
+
+Fake providers, node workers and API servers run as ``python -m iop ...`` child
+processes against a private redis-server; each can be stopped, killed or restarted.
+Their output goes to log files under the test's tmp dir (printed when a test fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from redis import Redis
+
+from dispatcher import keys
+from iop.redis_server import RedisServer, free_port
+
+START_TIMEOUT_S = 30.0
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to clean up."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class Fake:
+    """A fake provider process and a handle on its test hooks."""
+
+    def __init__(self, proc: Proc, port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def control(self, **options: Any) -> dict[str, Any]:
+        resp = httpx.post(f"{self.url}/_fake/control", json=options, timeout=5)
+        resp.raise_for_status()
+        result: dict[str, Any] = resp.json()
+        return result
+
+    def requests(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = httpx.get(f"{self.url}/_fake/requests", timeout=5).json()
+        return result
+
+    def stats(self) -> dict[str, int]:
+        result: dict[str, int] = httpx.get(f"{self.url}/_fake/stats", timeout=5).json()
+        return result
+
+
+class System:
+    def __init__(self, tmp_path: Path, redis_server: RedisServer) -> None:
+        self.dir = tmp_path
+        self.redis_server = redis_server
+        self.redis = Redis.from_url(redis_server.url)
+        self.redis.flushall()
+        self.env = {**os.environ, "IOP_REDIS_URL": redis_server.url, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[Proc] = []
+        self.fakes: dict[str, Fake] = {}
+        self.ports: dict[str, int] = {}
+        self.config_path = tmp_path / "iop.yaml"
+        self.api_url = ""
+
+    # --- configuration ---------------------------------------------------------------------
+
+    def port(self, name: str) -> int:
+        if name not in self.ports:
+            self.ports[name] = free_port()
+        return self.ports[name]
+
+    def write_config(self, config: dict[str, Any]) -> Path:
+        self.config = config
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return self.config_path
+
+    # --- processes -----------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        proc = Proc(name, [sys.executable, "-m", "iop", *args], self.env, self.dir).start()
+        self.procs.append(proc)
+        return proc
+
+    def fake(self, name: str, *args: str) -> Fake:
+        port = self.port(name)
+        proc = self._spawn(f"fake-{name}", ["fake-provider", "--port", str(port), *args])
+        _wait_port(port, proc)
+        fake = Fake(proc, port)
+        self.fakes[name] = fake
+        return fake
+
+    def worker(self, node: str, name: str | None = None) -> Proc:
+        return self._spawn(name or f"worker-{node}", ["worker", "--config", str(self.config_path), "--node", node])
+
+    def api(self, name: str = "api", workers: int = 1) -> Proc:
+        port = self.port(name)
+        proc = self._spawn(name, ["api", "--config", str(self.config_path), "--port", str(port),
+                                  "--workers", str(workers)])
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/readyz", proc)
+        if not self.api_url:
+            self.api_url = url
+        return proc
+
+    def restart(self, proc: Proc) -> Proc:
+        proc.stop()
+        return proc.start()
+
+    # --- Redis state ---------------------------------------------------------------------------
+
+    def provider(self, pid: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(keys.provider(pid)).items()}
+
+    def in_flight(self, pid: str) -> int:
+        return int(self.redis.hget(keys.provider(pid), "in_flight") or 0)
+
+    def wait_available(self, *pids: str, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self.provider(p).get("health") == "available" for p in pids):
+                return
+            time.sleep(0.05)
+        states = {p: self.provider(p) for p in pids}
+        raise TimeoutError(f"providers not available within {timeout}s: {json.dumps(states)}\n{self.logs()}")
+
+    def wait_until(self, what: str, predicate: Any, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{what}: not true within {timeout}s\n{self.logs()}")
+
+    # --- teardown --------------------------------------------------------------------------------
+
+    def logs(self) -> str:
+        return "\n".join(f"----- {p.name} -----\n{p.log()[-4000:]}" for p in self.procs)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            proc.stop(timeout=15)
+        self.redis.close()
+
+
+def _wait_port(port: int, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} did not listen on {port}:\n{proc.log()}")
+
+
+def _wait_http(url: str, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log()}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready:\n{proc.log()}")
+
+
+def http_provider(pid: str, ptype: str, port: int, capacity: int, models: list[str], **extra: Any) -> dict[str, Any]:
+    return {"id": pid, "type": ptype, "base_url": f"http://127.0.0.1:{port}", "capacity": capacity,
+            "models": models, **extra}

@@ -1,0 +1,1 @@
+"""Per-node worker processes: consume the node stream, run jobs on providers, report back."""

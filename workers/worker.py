@@ -1,0 +1,328 @@
+"""One node's worker process: publish and probe its providers, run the jobs dispatched
+to the node, report every answer back, and give every slot back.
+
+Built from small loops that run side by side in one task group:
+
+* ``_provider_loop``  probe a provider every ``probe_interval_ms``; heartbeat it (with
+                      its health and description) every ``heartbeat_interval_ms``
+* ``_consume``        read the node stream through the consumer group and start jobs
+* ``_cancel_listener`` abort a running job when its API says the client left
+* ``_renew_loop``     extend the leases of running jobs, every third of a lease
+* ``_reap_loop``      the shared maintenance round (``dispatcher.reaper``)
+* ``_watch_signals``  SIGTERM/SIGINT: stop taking jobs, let running ones finish within
+                      ``drain_grace_s``, cancel the rest, exit
+
+Several worker processes may serve the same node: the consumer group hands each job
+to one of them, and the slot accounting in Redis bounds them together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
+from redis.exceptions import RedisError
+
+from dispatcher import events, keys
+from dispatcher.config import Config, NodeConfig
+from dispatcher.events import Assignment, Failed
+from dispatcher.exceptions import ConfigError, ConfigProblem, ProviderError, ProviderUnreachable, WorkerLost
+from dispatcher.jsonbody import with_model
+from dispatcher.plans import Plans
+from dispatcher.reaper import Reaper
+from dispatcher.redis_conn import BLOCK_MS, connect
+from dispatcher.scripts import Scripts
+from dispatcher.slots import NodeSlots
+from workers.adapters import make_adapter
+from workers.adapters.base import ENDPOINTS, Adapter, ProbeResult, ProviderCall
+from workers.adapters.openai_http import new_session
+from workers.sink import JobAborted, RedisSink
+
+log = logging.getLogger("iop.worker")
+
+READ_BATCH = 64
+
+
+@dataclass
+class Running:
+    job: Assignment
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    abort_reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        self.scope.cancel()
+
+
+class Worker:
+    def __init__(self, config: Config, node_id: str) -> None:
+        node = config.node(node_id)
+        if node is None:
+            raise ConfigError([ConfigProblem("$.nodes", f"no node with id {node_id!r}")])
+        self.config = config
+        self.node: NodeConfig = node
+        self.worker_id = f"{node_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.redis = connect(config.redis.url)
+        self.scripts = Scripts(self.redis)
+        self.plans = Plans(config)
+        self.slots = NodeSlots(self.redis, self.scripts, config, self.plans, node_id)
+        self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.worker_id)
+        self.adapters: dict[str, Adapter] = {}
+        self.limiters: dict[str, anyio.CapacityLimiter] = {}
+        self.health: dict[str, ProbeResult] = {}
+        self.running: dict[str, Running] = {}
+        # Cancels that arrived before their job was read from the stream.
+        self.early_cancels: dict[str, float] = {}
+        self.draining = False
+        self._consume_scope: anyio.CancelScope | None = None
+        self._idle: anyio.Event | None = None  # set whenever no job runs (drain waits on it)
+
+    # --- the process ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        # anyio primitives need the running loop, so they are made here.
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._consume_scope = anyio.CancelScope()
+        self.limiters = {p.id: anyio.CapacityLimiter(max(p.capacity, 1)) for p in self.node.providers}
+        session = new_session(sum(p.capacity for p in self.node.providers))
+        self.adapters = {p.id: make_adapter(p, session) for p in self.node.providers}
+        try:
+            await self._wait_for_redis()
+            await self.scripts.load()
+            await self.slots.ensure_group()
+            log.info("worker %s serving node %s: %s", self.worker_id, self.node.id,
+                     ", ".join(f"{p.id}({p.type}, capacity {p.capacity})" for p in self.node.providers))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_signals)
+                for provider in self.node.providers:
+                    tg.start_soon(self._provider_loop, provider.id)
+                tg.start_soon(self._cancel_listener)
+                tg.start_soon(self._renew_loop)
+                tg.start_soon(self._reap_loop)
+                async with anyio.create_task_group() as jobs:
+                    await self._consume(jobs)
+                    await self._drain()
+                tg.cancel_scope.cancel()
+        finally:
+            for adapter in self.adapters.values():
+                await adapter.aclose()
+            await session.close()
+            await self.redis.aclose()
+        log.info("worker %s stopped", self.worker_id)
+
+    def stop(self) -> None:
+        """Stop taking jobs; running ones get the drain grace period."""
+        self.draining = True
+        if self._consume_scope is not None:
+            self._consume_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("worker %s got %s: draining %d running job(s)", self.worker_id,
+                         signal.Signals(signum).name, len(self.running))
+                self.stop()
+                return
+
+    async def _drain(self) -> None:
+        grace = self.config.dispatch.drain_grace_s
+        with anyio.move_on_after(grace):
+            assert self._idle is not None
+            await self._idle.wait()
+        for running in list(self.running.values()):
+            running.abort("drain")
+
+    async def _wait_for_redis(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.redis.ping()
+                return
+            except RedisError as exc:
+                log.warning("waiting for Redis: %s", exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    async def _consume(self, jobs: TaskGroup) -> None:
+        delay = 0.1
+        assert self._consume_scope is not None
+        with self._consume_scope:
+            while not self.draining:
+                try:
+                    batch: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xreadgroup(  # type: ignore[assignment]
+                        keys.NODE_GROUP, self.worker_id, {self.slots.node_key: ">"},
+                        count=READ_BATCH, block=BLOCK_MS,
+                    )
+                    delay = 0.1
+                except RedisError as exc:
+                    if "NOGROUP" in str(exc):
+                        await self.slots.ensure_group()
+                        continue
+                    log.warning("reading node stream failed: %s", exc)
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                for _stream, entries in batch or []:
+                    for entry_id, fields in entries:
+                        jobs.start_soon(self._run_job, Assignment.from_entry(entry_id, fields))
+
+    async def _run_job(self, job: Assignment) -> None:
+        running = Running(job)
+        self.running[job.job] = running
+        if self._idle is None or self._idle.is_set():
+            self._idle = anyio.Event()
+        sink = RedisSink(self.slots, job, self.node.id)
+        final: events.Event | None = None
+        try:
+            if self.early_cancels.pop(job.job, None) is not None:
+                running.abort_reason = "cancelled"
+            else:
+                final = await self._call(job, running, sink)
+            if running.abort_reason == "drain" and final is None:
+                final = Failed.from_error(WorkerLost("the worker shut down before the answer was complete"),
+                                          sink.meta)
+            elif running.abort_reason is not None:
+                final = None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._finish(job, final)
+            del self.running[job.job]
+            if not self.running and self._idle is not None:
+                self._idle.set()
+
+    async def _call(self, job: Assignment, running: Running, sink: RedisSink) -> events.Event | None:
+        adapter = self.adapters.get(job.provider)
+        if adapter is None or job.endpoint not in ENDPOINTS:
+            return Failed.from_error(
+                ProviderUnreachable(f"node {self.node.id} cannot run {job.endpoint} on provider {job.provider}"),
+                sink.meta,
+            )
+        with running.scope:
+            try:
+                async with self.limiters[job.provider]:
+                    call = ProviderCall(job.endpoint, with_model(job.body, job.target), job.target, job.stream)
+                    await adapter.call(call, sink)
+                return sink.final_event()
+            except JobAborted as exc:
+                running.abort_reason = running.abort_reason or exc.reason
+            except ProviderError as exc:
+                return Failed.from_error(exc, sink.meta)
+            except RedisError as exc:
+                log.warning("job %s: Redis failed while streaming: %s", job.job, exc)
+                return Failed.from_error(WorkerLost("the worker lost Redis while streaming"), sink.meta)
+            except Exception:
+                log.exception("job %s on %s failed", job.job, job.provider)
+                return Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
+        return None
+
+    async def _finish(self, job: Assignment, final: events.Event | None) -> None:
+        data = events.encode(final) if final is not None else None
+        delay = 0.05
+        give_up = time.monotonic() + self.config.dispatch.lease_ms / 1000
+        while True:
+            try:
+                await self.slots.finish(job, data)
+                return
+            except RedisError as exc:
+                if time.monotonic() > give_up:
+                    # The lease runs out and the reaper settles the job instead.
+                    log.error("job %s: could not release (%s); leaving it to the lease", job.job, exc)
+                    return
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # --- cancellation and leases ------------------------------------------------------------
+
+    def _cancel(self, job_id: str) -> None:
+        running = self.running.get(job_id)
+        if running is not None:
+            running.abort("cancelled")
+            return
+        now = time.monotonic()
+        self.early_cancels[job_id] = now + self.config.dispatch.lease_ms / 1000
+        for jid, expiry in list(self.early_cancels.items()):
+            if expiry < now:
+                del self.early_cancels[jid]
+
+    async def _cancel_listener(self) -> None:
+        delay = 0.1
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.cancel_channel(self.node.id))
+                delay = 0.1
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        self._cancel(message["data"].decode())
+            except RedisError as exc:
+                log.warning("cancel channel lost: %s", exc)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _renew_loop(self) -> None:
+        period = self.config.dispatch.lease_ms / 3000
+        while True:
+            await anyio.sleep(period)
+            running = [(r.job.job, r.job.fence) for r in self.running.values()]
+            try:
+                for job_id, reason in await self.slots.renew(running):
+                    if job_id in self.running:
+                        log.info("job %s: aborting (%s)", job_id, reason)
+                        self.running[job_id].abort(reason)
+            except RedisError as exc:
+                log.warning("lease renewal failed: %s", exc)
+
+    async def _reap_loop(self) -> None:
+        period = self.config.dispatch.reap_interval_ms / 1000
+        while True:
+            await anyio.sleep(period)
+            try:
+                await self.reaper.run_once()
+            except RedisError as exc:
+                log.warning("reaper round failed: %s", exc)
+
+    # --- providers ----------------------------------------------------------------------------
+
+    async def _provider_loop(self, provider_id: str) -> None:
+        d = self.config.dispatch
+        adapter = self.adapters[provider_id]
+        next_probe = 0.0
+        while True:
+            if time.monotonic() >= next_probe:
+                self.health[provider_id] = await adapter.probe(d.probe_timeout_ms / 1000)
+                next_probe = time.monotonic() + d.probe_interval_ms / 1000
+            try:
+                await self._heartbeat(provider_id)
+            except RedisError as exc:
+                log.warning("heartbeat of %s failed: %s", provider_id, exc)
+            await anyio.sleep(d.heartbeat_interval_ms / 1000)
+
+    async def _heartbeat(self, provider_id: str) -> None:
+        provider = next(p for p in self.node.providers if p.id == provider_id)
+        result = self.health[provider_id]
+        fields: list[tuple[str, str | int]] = [
+            ("node", self.node.id),
+            ("type", provider.type),
+            ("category", provider.effective_category),
+            ("capacity", provider.capacity),
+            ("models", json.dumps(provider.models)),
+            ("reason", result.reason),
+            ("reported_models", json.dumps(result.models) if result.models is not None else ""),
+            ("worker", self.worker_id),
+        ]
+        await self.slots.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
