@@ -19,7 +19,7 @@ from dispatcher.config import Config
 from dispatcher.jobs import JobClient
 from dispatcher.plans import Plans
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import connect
+from dispatcher.redis_conn import connect, server_warnings
 from dispatcher.scripts import Scripts
 
 log = logging.getLogger("iop.api")
@@ -48,6 +48,8 @@ class Gateway:
 
     async def start(self) -> None:
         try:
+            for warning in await server_warnings(self.redis):
+                log.warning("%s", warning)
             await self.scripts.load()
             await self.jobs.heartbeat()
         except RedisError as exc:
@@ -83,7 +85,7 @@ class Gateway:
         return True, "ready"
 
     async def _heartbeat_loop(self) -> None:
-        period = 2.0
+        period = self.config.dispatch.replica_ttl_ms / 5000
         while not self._closing:
             try:
                 await self.jobs.heartbeat()

@@ -21,10 +21,11 @@ from litestar.response import Stream
 from redis.exceptions import RedisError
 
 from api.gateway import Gateway
-from api.replies import Waiter
+from api.replies import ClientGone, Waiter
 from dispatcher import events
 from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
 from dispatcher.exceptions import (
+    JobCancelled,
     ModelNotFound,
     ProviderRejected,
     QueueFull,
@@ -122,8 +123,12 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
         stream = False
 
     job_id = uuid.uuid4().hex
-    wait = JobWait(gw, job_id, model_id, gw.replies.register(job_id))
+    waiter = gw.replies.register(job_id)
+    wait = JobWait(gw, job_id, model_id, waiter)
     handed_off = False
+    # Until a stream response takes over (Litestar then listens itself), notice a caller
+    # that hangs up, so its job is cancelled and the provider stops generating.
+    watcher = asyncio.ensure_future(_watch_disconnect(request, waiter))
     try:
         try:
             submitted = await gw.jobs.submit(job_id, model, body, endpoint, stream)
@@ -137,6 +142,7 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
             )
         wait.waiting(submitted)
         first = await wait.next_event()
+        watcher.cancel()
         if isinstance(first, Done):
             return _json_answer(first, model_id)
         if isinstance(first, Failed):
@@ -151,11 +157,20 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
             status_code=first.status if isinstance(first, Start) else 200,
             headers={**SSE_HEADERS, **(_meta_headers(meta) if meta else {})},
         )
+    except ClientGone:
+        raise JobCancelled("The client closed the connection") from None
     finally:
+        watcher.cancel()
         if not handed_off:
             gw.replies.unregister(job_id)
             if not wait.settled:
                 gw.spawn(wait.cancel())
+
+
+async def _watch_disconnect(request: Request[Any, Any, Any], waiter: Waiter) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    waiter.client_gone()
 
 
 async def _sse(wait: JobWait, first: Start | End, model_id: str) -> AsyncIterator[bytes]:

@@ -19,6 +19,13 @@ log = logging.getLogger("iop.api.replies")
 READ_BATCH = 1000
 
 
+class ClientGone(Exception):
+    """The caller closed its connection while waiting."""
+
+
+_GONE = b""
+
+
 class Waiter:
     """The events of one job, in the order its worker wrote them."""
 
@@ -30,6 +37,9 @@ class Waiter:
     def push(self, data: bytes) -> None:
         self._queue.put_nowait(data)
 
+    def client_gone(self) -> None:
+        self._queue.put_nowait(_GONE)
+
     async def next(self, wait_s: float | None) -> events.Event | None:
         """The next event, or None when ``wait_s`` seconds pass first."""
         if self._queue.empty():
@@ -40,6 +50,8 @@ class Waiter:
                 return None
         else:
             data = self._queue.get_nowait()
+        if data is _GONE:
+            raise ClientGone
         return events.decode(data)
 
 

@@ -64,6 +64,8 @@ class DispatchConfig(_Base, frozen=True):
     probe_interval_ms: int = 5_000
     probe_timeout_ms: int = 2_000
     reap_interval_ms: int = 1_000
+    # An API replica silent this long is dead: the reaper cancels what it waited on.
+    replica_ttl_ms: int = 10_000
     # Dispatches of one job when its worker dies before any output reached the client.
     max_attempts: int = 2
     # SIGTERM: running jobs get this long to finish before they are cancelled.
@@ -199,7 +201,7 @@ def validate(config: Config) -> list[ConfigProblem]:
         bad("$.api.max_body_bytes", f"must be > 0, got {config.api.max_body_bytes}")
     d = config.dispatch
     for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
-                 "probe_timeout_ms", "reap_interval_ms", "max_attempts"):
+                 "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
         if getattr(d, name) <= 0:
             bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
     if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:

@@ -14,7 +14,6 @@ from dispatcher.scripts import Scripts
 # A replica's reply stream and job set outlive its last heartbeat by this much, so a
 # dead replica's keys expire even if no reaper ever runs again.
 REPLY_KEEP_MS = 300_000
-REPLICA_TTL_MS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +67,7 @@ class JobClient:
         return int(
             await self.scripts.replica(
                 [keys.REPLICAS, self.reply_key, self.jobs_key],
-                [self.replica_id, REPLICA_TTL_MS, REPLY_KEEP_MS],
+                [self.replica_id, self.config.dispatch.replica_ttl_ms, REPLY_KEEP_MS],
             )
         )
 

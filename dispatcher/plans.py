@@ -55,6 +55,7 @@ class Plans:
     """The plan of every model group and of every provider (the groups it serves)."""
 
     def __init__(self, config: Config) -> None:
+        self.empty = build(config, [])
         self.by_model = {m.id: build(config, [m]) for m in config.models}
         self.by_provider = {
             prov.id: build(config, [m for m in config.models if prov.id in m.providers])

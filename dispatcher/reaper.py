@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import cast
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from dispatcher import events, keys
 from dispatcher.config import Config
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
 from dispatcher.jobs import REPLY_KEEP_MS, JobClient
-from dispatcher.plans import Plan, Plans, build
+from dispatcher.plans import Plan, Plans
 from dispatcher.scripts import Scripts
 
 log = logging.getLogger("iop.reaper")
@@ -29,6 +30,10 @@ BATCH = 200
 # A live API cancels its own expired jobs at their deadline; this is the backstop for
 # one that could not (Redis was away at that moment).
 ORPHAN_GRACE_MS = 30_000
+# Rounds between the slower checks: in_flight against leases, and departed consumers.
+RECONCILE_EVERY = 30
+# A consumer (worker process) idle this long with nothing pending is gone for good.
+CONSUMER_IDLE_MS = 600_000
 
 
 @dataclass
@@ -36,6 +41,7 @@ class ReapStats:
     leases: dict[str, int]
     replicas: int = 0
     orphans: int = 0
+    corrected: list[tuple[str, int, int]] | None = None
 
 
 class Reaper:
@@ -46,10 +52,11 @@ class Reaper:
         self.plans = plans
         self.owner = owner
         self.jobs = JobClient(redis, scripts, config, plans, owner)
+        self.rounds = 0
+        self.provider_ids = [p.id for _, p in config.providers()]
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request stopped after output had started"))
         )
-        self._empty_plan = build(config, [])
 
     async def run_once(self) -> ReapStats | None:
         """One round, if no other process holds the round lock; None when skipped."""
@@ -60,7 +67,35 @@ class Reaper:
         stats = ReapStats(leases=await self.reap_leases(now))
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
+        if self.rounds % RECONCILE_EVERY == 0:
+            stats.corrected = await self.reconcile()
+            await self.forget_departed_consumers()
+        self.rounds += 1
         return stats
+
+    async def reconcile(self) -> list[tuple[str, int, int]]:
+        """Set in_flight to the live leases of every configured provider; the corrections."""
+        flat = await self.scripts.reconcile(
+            [*keys.JOB_KEYS, *(keys.provider(p) for p in self.provider_ids)], self.provider_ids
+        )
+        fixes = [(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+        for provider, old, new in fixes:
+            log.warning("in_flight of %s was %d, live leases say %d: corrected", provider, old, new)
+        return fixes
+
+    async def forget_departed_consumers(self) -> int:
+        """Drop consumer-group members (old worker processes) that hold nothing and went quiet."""
+        removed = 0
+        for node in self.config.nodes:
+            try:
+                consumers = await self.redis.xinfo_consumers(keys.node(node.id), keys.NODE_GROUP)
+            except ResponseError:
+                continue  # no stream or no group yet
+            for consumer in consumers:
+                if consumer["pending"] == 0 and consumer["idle"] > CONSUMER_IDLE_MS:
+                    await self.redis.xgroup_delconsumer(keys.node(node.id), keys.NODE_GROUP, consumer["name"])
+                    removed += 1
+        return removed
 
     async def now_ms(self) -> int:
         sec, usec = await self.redis.time()
@@ -81,7 +116,7 @@ class Reaper:
             rec = decode_record(raw)
             if rec.provider is None or rec.node is None:
                 continue
-            plan: Plan = self.plans.by_provider.get(rec.provider, self._empty_plan)
+            plan: Plan = self.plans.by_provider.get(rec.provider, self.plans.empty)
             ks, head = plan.args(
                 (*keys.PUMP_KEYS, keys.node(rec.node), keys.reply(rec.replica), keys.replica_jobs(rec.replica),
                  keys.provider(rec.provider), keys.queue(rec.model)),

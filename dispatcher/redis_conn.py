@@ -5,6 +5,7 @@ from __future__ import annotations
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -31,3 +32,25 @@ def connect(url: str | None, *, max_connections: int = 256) -> Redis:
         timeout=SOCKET_TIMEOUT_S,
     )
     return Redis.from_pool(pool)
+
+
+async def server_warnings(redis: Redis) -> list[str]:
+    """What an operator should fix on the Redis server iop uses (empty when all is well)."""
+    warnings: list[str] = []
+    try:
+        info = await redis.info("server")
+        version = tuple(int(x) for x in str(info.get("redis_version", "0")).split(".")[:2])
+        if version < (6, 2):
+            warnings.append(f"Redis {info.get('redis_version')} is too old: iop needs 6.2 or newer")
+    except (RedisError, ValueError):
+        pass
+    try:
+        policy = (await redis.config_get("maxmemory-policy")).get("maxmemory-policy")
+    except RedisError:
+        return warnings  # CONFIG is often disabled on managed Redis: nothing to say
+    if policy not in (None, "noeviction"):
+        warnings.append(
+            f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict queued jobs, "
+            "leases or provider state; set it to 'noeviction'"
+        )
+    return warnings

@@ -15,7 +15,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_lease", "replica")
+NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_lease", "replica", "reconcile")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -49,6 +49,7 @@ class Scripts:
         self.heartbeat = redis.register_script(source("heartbeat"))
         self.reap_lease = redis.register_script(source("reap_lease"))
         self.replica = redis.register_script(source("replica"))
+        self.reconcile = redis.register_script(source("reconcile"))
 
     def all(self) -> list[AsyncScript]:
         return [getattr(self, name) for name in NAMES]

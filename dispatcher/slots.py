@@ -37,15 +37,23 @@ class NodeSlots:
         """Later output of a streamed job: a plain append, ordered after ``emit``'s."""
         await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
 
-    async def finish(self, job: Assignment, event: bytes | None) -> str:
-        """Final event + release + ack; 'released' or 'stale' (the job was taken over)."""
-        ks, head = self.plans.by_provider[job.provider].args(
+    async def finish(self, job: Assignment, event: bytes | None, *, requeue: bool = False) -> str:
+        """Final event + release + ack; 'released', or 'stale' when the job was taken over.
+
+        With ``requeue`` (the worker gives the job up unfinished) the job is dispatched
+        again if none of its output reached the client: 'requeued'; else the client
+        gets ``event``: 'failed'.
+        """
+        plan = self.plans.by_provider.get(job.provider, self.plans.empty)
+        ks, head = plan.args(
             (*keys.PUMP_KEYS, self.node_key, keys.reply(job.replica), keys.replica_jobs(job.replica),
-             keys.provider(job.provider)),
+             keys.provider(job.provider), keys.queue(job.model)),
             self.lease_ms,
         )
         outcome, _ = await self.scripts.finish(
-            ks, [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS]
+            ks,
+            [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
+             "requeue" if requeue else "done", self.config.dispatch.max_attempts],
         )
         return str(outcome.decode())
 

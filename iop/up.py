@@ -22,9 +22,13 @@ from types import FrameType
 from urllib.parse import urlsplit
 
 from dispatcher.config import Config
-from iop.redis_server import RedisServer, free_port
+from iop.redis_server import RedisServer, die_with_parent, free_port
 
 START_TIMEOUT_S = 30.0
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM arrived while starting up."""
 
 
 @dataclass
@@ -41,10 +45,14 @@ class Supervisor:
         self.stopping = False
 
     def spawn(self, role: str, what: str, argv: list[str], env: dict[str, str]) -> Child:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
         child = Child(role, what, proc)
         self.children.append(child)
         return child
+
+    def checkpoint(self) -> None:
+        if self.stopping:
+            raise Interrupted
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
@@ -65,9 +73,10 @@ class Supervisor:
             self.redis.close()
 
 
-def _wait_port(host: str, port: int, child: Child, timeout: float = START_TIMEOUT_S) -> None:
+def _wait_port(sup: Supervisor, host: str, port: int, child: Child, timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        sup.checkpoint()
         if child.proc.poll() is not None:
             raise RuntimeError(f"{child.role} {child.what} exited with status {child.proc.returncode}")
         try:
@@ -78,9 +87,10 @@ def _wait_port(host: str, port: int, child: Child, timeout: float = START_TIMEOU
     raise TimeoutError(f"{child.role} {child.what} did not listen on {host}:{port} within {timeout}s")
 
 
-def _wait_ready(url: str, child: Child, timeout: float = START_TIMEOUT_S) -> None:
+def _wait_ready(sup: Supervisor, url: str, child: Child, timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        sup.checkpoint()
         if child.proc.poll() is not None:
             raise RuntimeError(f"{child.role} exited with status {child.proc.returncode}")
         try:
@@ -143,10 +153,11 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
                     "--delay-ms", str(fake.delay_ms), "--tokens", str(fake.tokens),
                     "--token-interval-ms", str(fake.token_interval_ms), "--models", ",".join(models)]
             child = sup.spawn("fake", f"http://{fake.host}:{fake.port}", argv, env)
-            _wait_port(fake.host, fake.port, child)
+            _wait_port(sup, fake.host, fake.port, child)
             lines.append(f"  fake     http://{fake.host}:{fake.port} serving {', '.join(models) or '-'}")
 
         for node in config.nodes:
+            sup.checkpoint()
             child = sup.spawn("worker", node.id, [py, "-m", "iop", "worker", "--config", config_path,
                                                   "--node", node.id], env)
             lines.append(f"  worker   node {node.id} (pid {child.proc.pid}): "
@@ -157,7 +168,7 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         api = sup.spawn("api", f"http://{host}:{port}", [py, "-m", "iop", "api", "--config", config_path,
                                                          "--host", host, "--port", str(port),
                                                          "--workers", str(api_workers)], env)
-        _wait_ready(f"http://{host}:{port}/readyz", api)
+        _wait_ready(sup, f"http://{host}:{port}/readyz", api)
         lines.insert(0, f"  api      http://{host}:{port}/v1 ({api_workers} process(es), pid {api.proc.pid})")
 
         model = config.models[0].id if config.models else "MODEL"
@@ -175,6 +186,9 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
                 return 1
             time.sleep(0.2)
         print("stopping...", flush=True)
+        return 0
+    except Interrupted:
+        print("interrupted during start-up; stopping...", flush=True)
         return 0
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
         print(f"iop up failed: {exc}", file=sys.stderr, flush=True)

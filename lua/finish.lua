@@ -6,16 +6,21 @@
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
--- KEYS[9]    provider hash   KEYS[..] plan keys of the provider's groups
+-- KEYS[9]    provider hash   KEYS[10] the job's group queue
+-- KEYS[..]   plan keys of the provider's groups
 -- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
 -- ARGV[7]    consumer group     ARGV[8] final event ('' = none: nobody is listening)
 -- ARGV[9]    reply stream TTL ms
--- Returns {outcome, dispatched}; outcome 'released' | 'stale'
+-- ARGV[10]   'done' | 'requeue': the worker gave the job up unfinished (shutdown); it is
+--            dispatched again if none of its output reached the client and attempts are
+--            left, else its client gets the final event
+-- ARGV[11]   max attempts (requeue only)
+-- Returns {outcome, dispatched}; outcome 'released' | 'requeued' | 'failed' | 'dropped' | 'stale'
 --!include lib/jobs.lua
 --!include lib/pump.lua
 
-local NODE, REPLY, REPLICA_JOBS, PROVIDER = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local job, entry, event = ARGV[4], ARGV[6], ARGV[8]
 
 -- The delivery is over whatever happened to the job: a pending entry would never leave.
@@ -27,9 +32,16 @@ if not owned(rec, ARGV[5]) then
   return {'stale', 0}
 end
 release_slot(job, PROVIDER)
-if event ~= '' and rec.st ~= 'c' then
-  redis.call('XADD', REPLY, '*', 'j', job, 'e', event)
-  redis.call('PEXPIRE', REPLY, tonumber(ARGV[9]))
+local now = now_ms()
+local outcome = 'released'
+if ARGV[10] == 'requeue' then
+  outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[11]), event,
+                        tonumber(ARGV[9]), now)
+else
+  if event ~= '' and rec.st ~= 'c' then
+    redis.call('XADD', REPLY, '*', 'j', job, 'e', event)
+    redis.call('PEXPIRE', REPLY, tonumber(ARGV[9]))
+  end
+  drop_job(job, REPLICA_JOBS)
 end
-drop_job(job, REPLICA_JOBS)
-return {'released', pump(now_ms())}
+return {outcome, pump(now)}

@@ -32,23 +32,6 @@ if rec.ne then
   redis.call('XACK', NODE, ARGV[5], rec.ne)
   redis.call('XDEL', NODE, rec.ne)
 end
-
-local outcome
-if rec.st == 'c' then
-  drop_job(job, REPLICA_JOBS)
-  outcome = 'dropped'
-elseif rec.o ~= 1 and rec.a < tonumber(ARGV[6]) then
-  rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
-  rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
-  put_record(job, rec)
-  -- Back at its original place: the seq keeps it ahead of everything submitted later.
-  redis.call('ZADD', QUEUE, rec.seq, job)
-  redis.call('ZADD', DEADLINES, rec.d, job)
-  outcome = 'requeued'
-else
-  redis.call('XADD', REPLY, '*', 'j', job, 'e', ARGV[7])
-  redis.call('PEXPIRE', REPLY, tonumber(ARGV[8]))
-  drop_job(job, REPLICA_JOBS)
-  outcome = 'failed'
-end
+local outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[6]), ARGV[7],
+                            tonumber(ARGV[8]), now)
 return {outcome, pump(now)}

@@ -34,11 +34,18 @@ from redis.exceptions import RedisError
 from dispatcher import events, keys
 from dispatcher.config import Config, NodeConfig
 from dispatcher.events import Assignment, Failed
-from dispatcher.exceptions import ConfigError, ConfigProblem, ProviderError, ProviderUnreachable, WorkerLost
+from dispatcher.exceptions import (
+    ConfigError,
+    ConfigProblem,
+    ProviderError,
+    ProviderTimeout,
+    ProviderUnreachable,
+    WorkerLost,
+)
 from dispatcher.jsonbody import with_model
 from dispatcher.plans import Plans
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import BLOCK_MS, connect
+from dispatcher.redis_conn import BLOCK_MS, connect, server_warnings
 from dispatcher.scripts import Scripts
 from dispatcher.slots import NodeSlots
 from workers.adapters import make_adapter
@@ -84,6 +91,9 @@ class Worker:
         self.early_cancels: dict[str, float] = {}
         self.draining = False
         self._consume_scope: anyio.CancelScope | None = None
+        self._next_probe: dict[str, float] = {}
+        self._providers_scope: anyio.CancelScope | None = None
+        self._wake: dict[str, anyio.Event] = {}
         self._idle: anyio.Event | None = None  # set whenever no job runs (drain waits on it)
 
     # --- the process ------------------------------------------------------------------
@@ -93,19 +103,22 @@ class Worker:
         self._idle = anyio.Event()
         self._idle.set()
         self._consume_scope = anyio.CancelScope()
+        self._providers_scope = anyio.CancelScope()
         self.limiters = {p.id: anyio.CapacityLimiter(max(p.capacity, 1)) for p in self.node.providers}
         session = new_session(sum(p.capacity for p in self.node.providers))
         self.adapters = {p.id: make_adapter(p, session) for p in self.node.providers}
         try:
             await self._wait_for_redis()
+            for warning in await server_warnings(self.redis):
+                log.warning("%s", warning)
             await self.scripts.load()
             await self.slots.ensure_group()
+            await self.reaper.reconcile()
             log.info("worker %s serving node %s: %s", self.worker_id, self.node.id,
                      ", ".join(f"{p.id}({p.type}, capacity {p.capacity})" for p in self.node.providers))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_signals)
-                for provider in self.node.providers:
-                    tg.start_soon(self._provider_loop, provider.id)
+                tg.start_soon(self._provider_loops)
                 tg.start_soon(self._cancel_listener)
                 tg.start_soon(self._renew_loop)
                 tg.start_soon(self._reap_loop)
@@ -125,6 +138,8 @@ class Worker:
         self.draining = True
         if self._consume_scope is not None:
             self._consume_scope.cancel()
+        if self._providers_scope is not None:
+            self._providers_scope.cancel()
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -135,6 +150,14 @@ class Worker:
                 return
 
     async def _drain(self) -> None:
+        # No new work for this node's providers from this worker; another live worker of the
+        # node puts them back within one heartbeat.
+        with anyio.CancelScope(shield=True):
+            for provider in self.node.providers:
+                try:
+                    await self.slots.heartbeat(provider.id, "unavailable", [("reason", "worker draining")])
+                except RedisError as exc:
+                    log.warning("could not mark %s draining: %s", provider.id, exc)
         grace = self.config.dispatch.drain_grace_s
         with anyio.move_on_after(grace):
             assert self._idle is not None
@@ -191,13 +214,14 @@ class Worker:
             else:
                 final = await self._call(job, running, sink)
             if running.abort_reason == "drain" and final is None:
+                # Given up at shutdown: dispatched again elsewhere unless output had started.
                 final = Failed.from_error(WorkerLost("the worker shut down before the answer was complete"),
                                           sink.meta)
             elif running.abort_reason is not None:
                 final = None
         finally:
             with anyio.CancelScope(shield=True):
-                await self._finish(job, final)
+                await self._finish(job, final, requeue=running.abort_reason == "drain")
             del self.running[job.job]
             if not self.running and self._idle is not None:
                 self._idle.set()
@@ -218,6 +242,9 @@ class Worker:
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
             except ProviderError as exc:
+                if isinstance(exc, ProviderUnreachable | ProviderTimeout):
+                    # Find out now, not at the next probe, whether the provider is still there.
+                    self._probe_now(job.provider)
                 return Failed.from_error(exc, sink.meta)
             except RedisError as exc:
                 log.warning("job %s: Redis failed while streaming: %s", job.job, exc)
@@ -227,13 +254,15 @@ class Worker:
                 return Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
         return None
 
-    async def _finish(self, job: Assignment, final: events.Event | None) -> None:
+    async def _finish(self, job: Assignment, final: events.Event | None, requeue: bool = False) -> None:
         data = events.encode(final) if final is not None else None
         delay = 0.05
         give_up = time.monotonic() + self.config.dispatch.lease_ms / 1000
         while True:
             try:
-                await self.slots.finish(job, data)
+                outcome = await self.slots.finish(job, data, requeue=requeue)
+                if outcome not in ("released", "stale"):
+                    log.info("job %s given up at shutdown: %s", job.job, outcome)
                 return
             except RedisError as exc:
                 if time.monotonic() > give_up:
@@ -298,19 +327,39 @@ class Worker:
 
     # --- providers ----------------------------------------------------------------------------
 
+    async def _provider_loops(self) -> None:
+        assert self._providers_scope is not None
+        with self._providers_scope:
+            async with anyio.create_task_group() as tg:
+                for provider in self.node.providers:
+                    tg.start_soon(self._provider_loop, provider.id)
+
+    def _probe_now(self, provider_id: str) -> None:
+        self._next_probe[provider_id] = 0.0
+        wake = self._wake.get(provider_id)
+        if wake is not None:
+            wake.set()
+
     async def _provider_loop(self, provider_id: str) -> None:
         d = self.config.dispatch
         adapter = self.adapters[provider_id]
-        next_probe = 0.0
+        self._next_probe[provider_id] = 0.0
         while True:
-            if time.monotonic() >= next_probe:
-                self.health[provider_id] = await adapter.probe(d.probe_timeout_ms / 1000)
-                next_probe = time.monotonic() + d.probe_interval_ms / 1000
+            if time.monotonic() >= self._next_probe[provider_id]:
+                result = await adapter.probe(d.probe_timeout_ms / 1000)
+                previous = self.health.get(provider_id)
+                if previous is None or previous.healthy != result.healthy:
+                    log.info("provider %s is %s%s", provider_id, "available" if result.healthy else "unavailable",
+                             f" ({result.reason})" if result.reason else "")
+                self.health[provider_id] = result
+                self._next_probe[provider_id] = time.monotonic() + d.probe_interval_ms / 1000
             try:
                 await self._heartbeat(provider_id)
             except RedisError as exc:
                 log.warning("heartbeat of %s failed: %s", provider_id, exc)
-            await anyio.sleep(d.heartbeat_interval_ms / 1000)
+            self._wake[provider_id] = wake = anyio.Event()
+            with anyio.move_on_after(d.heartbeat_interval_ms / 1000):
+                await wake.wait()
 
     async def _heartbeat(self, provider_id: str) -> None:
         provider = next(p for p in self.node.providers if p.id == provider_id)

@@ -49,3 +49,28 @@ local function release_slot(job, pkey)
   end
   return false
 end
+
+-- A dispatched job lost its worker (lease ran out, or the worker shut down mid-job); its
+-- slot is already released. If none of its output reached the client and attempts are
+-- left, it goes back to its original place in its queue, with a fresh deadline: the caller
+-- then pumps. Otherwise its client gets `event` (unless the client had left).
+-- Returns 'requeued' | 'failed' | 'dropped'.
+local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, reply_ttl_ms, now)
+  if rec.st == 'c' then
+    drop_job(job, rj_key)
+    return 'dropped'
+  end
+  if rec.o ~= 1 and rec.a < max_attempts then
+    rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
+    rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
+    put_record(job, rec)
+    -- The seq keeps it ahead of everything submitted after it.
+    redis.call('ZADD', queue_key, rec.seq, job)
+    redis.call('ZADD', DEADLINES, rec.d, job)
+    return 'requeued'
+  end
+  redis.call('XADD', reply_key, '*', 'j', job, 'e', event)
+  redis.call('PEXPIRE', reply_key, reply_ttl_ms)
+  drop_job(job, rj_key)
+  return 'failed'
+end

@@ -177,6 +177,10 @@ class System:
         states = {p: self.provider(p) for p in pids}
         raise TimeoutError(f"providers not available within {timeout}s: {json.dumps(states)}\n{self.logs()}")
 
+    def wait_serving(self, worker: Proc) -> None:
+        """Until a worker process has started reading its node's stream."""
+        self.wait_until(f"{worker.name} serving", lambda: "serving node" in worker.log())
+
     def wait_until(self, what: str, predicate: Any, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

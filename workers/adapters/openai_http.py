@@ -101,32 +101,34 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
         return
     body = await _read_capped(resp, _ERROR_BODY_BYTES, truncate=True)
     if 400 <= resp.status < 500:
-        raise ProviderRejected(resp.status, body, resp.content_type or "application/json")
+        # aiohttp reports a missing Content-Type as octet-stream; an OpenAI error is JSON.
+        content_type = resp.content_type if "Content-Type" in resp.headers else "application/json"
+        raise ProviderRejected(resp.status, body, content_type)
     raise ProviderUnreachable(f"provider answered {resp.status}: {body[:200].decode(errors='replace')}")
 
 
 async def _relay_stream(resp: aiohttp.ClientResponse, sink: Sink) -> None:
     if resp.content_type != "text/event-stream":
-        raise ProviderUnreachable(f"expected an event stream, the provider sent {resp.content_type or 'nothing'}")
+        sent = resp.content_type if "Content-Type" in resp.headers else "no content type"
+        raise ProviderUnreachable(f"expected an event stream, the provider sent {sent}")
     await sink.start(resp.status)
     parser = SSEParser()
     async for data in resp.content.iter_any():
-        payloads = parser.feed(data)
-        if payloads:
-            _check_payloads(payloads)
-            await sink.chunks(payloads)
+        await _relay_payloads(parser.feed(data), sink)
         if parser.done:
             return
-    tail = parser.close()
-    if tail:
-        _check_payloads(tail)
-        await sink.chunks(tail)
+    await _relay_payloads(parser.close(), sink)
 
 
-def _check_payloads(payloads: list[bytes]) -> None:
-    for payload in payloads:
+async def _relay_payloads(payloads: list[bytes], sink: Sink) -> None:
+    """Pass on the good events; the caller gets every chunk before the first bad one."""
+    for i, payload in enumerate(payloads):
         if not is_json_object(payload):
+            if i:
+                await sink.chunks(payloads[:i])
             raise ProviderUnreachable("the provider sent a stream event that is not a JSON object")
+    if payloads:
+        await sink.chunks(payloads)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:

@@ -1,0 +1,162 @@
+"""The reaper against real Redis: expired leases, dead replicas, orphaned jobs."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+
+from dispatcher import events, keys
+from dispatcher.events import Failed, Meta, Start
+from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper
+from tests.dispatcher.test_scripts import Harness, make_config
+
+pytestmark = pytest.mark.anyio
+
+
+def reaper_of(h: Harness, owner: str = "reaper-1") -> Reaper:
+    return Reaper(h.redis, h.node.scripts, h.config, h.node.plans, owner)
+
+
+async def expire_lease(h: Harness, job: str) -> None:
+    await h.redis.zadd(keys.LEASES, {job: 1})
+
+
+async def reply_events(h: Harness) -> list[tuple[str, events.Event]]:
+    entries = await h.redis.xrange(keys.reply("rep1"))
+    return [(f[b"j"].decode(), events.decode(f[b"e"])) for _, f in entries]
+
+
+@pytest.fixture
+def h(any_redis: Redis) -> Harness:
+    return Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
+
+
+async def test_live_lease_is_left_alone(h: Harness) -> None:
+    await h.up("a")
+    await h.submit("m")
+    reaper = reaper_of(h)
+    assert await reaper.reap_leases(await reaper.now_ms()) == {}
+    assert await h.in_flight("a") == 1
+
+
+async def test_lost_job_without_output_goes_back_to_its_place(h: Harness) -> None:
+    await h.up("a")
+    first, _ = await h.submit("m")
+    later, _ = await h.submit("m")
+    lost = await h.assignment(first)
+    await expire_lease(h, first)
+    reaper = reaper_of(h)
+    assert await reaper.reap_leases(await reaper.now_ms()) == {"requeued": 1}
+    # Requeued ahead of the job submitted after it, and dispatched again at once.
+    (again,) = await h.assignments()
+    assert again.job == first
+    assert again.attempt == 2
+    assert again.fence != lost.fence
+    assert await h.queued("m") == [later]
+    assert await h.in_flight("a") == 1
+    # The dead worker's late writes are refused.
+    assert await h.node.emit(lost, b"late") == "stale"
+    assert await h.node.finish(lost, b"late") == "stale"
+    assert await h.in_flight("a") == 1
+    assert await h.redis.xlen(keys.reply("rep1")) == 0
+
+
+async def test_lost_job_after_output_fails_with_worker_lost(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    a = await h.assignment(job)
+    start = Start(Meta("a", "n1", a.target, 0), 200, [b"{}"])
+    assert await h.node.emit(a, events.encode(start)) == "ok"
+    await expire_lease(h, job)
+    reaper = reaper_of(h)
+    assert await reaper.reap_leases(await reaper.now_ms()) == {"failed": 1}
+    evs = await reply_events(h)
+    assert [j for j, _ in evs] == [job, job]
+    assert evs[0][1] == start
+    final = evs[1][1]
+    assert isinstance(final, Failed)
+    assert (final.status, final.code) == (502, "worker_lost")
+    assert await h.record(job) is None
+    assert await h.in_flight("a") == 0
+    assert await h.redis.xlen(keys.node("n1")) == 0
+
+
+async def test_attempts_are_bounded(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    reaper = reaper_of(h)
+    outcomes = []
+    for _ in range(3):
+        if not await h.redis.zscore(keys.LEASES, job):
+            break
+        await expire_lease(h, job)
+        outcomes.append(await reaper.reap_leases(await reaper.now_ms()))
+    # max_attempts defaults to 2: one redispatch, then the client is told.
+    assert outcomes == [{"requeued": 1}, {"failed": 1}]
+    (_, final), = await reply_events(h)
+    assert isinstance(final, Failed)
+    assert final.code == "worker_lost"
+    assert await h.in_flight("a") == 0
+
+
+async def test_lost_cancelled_job_is_dropped_silently(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    assert (await h.api.cancel(job, "m", "client")).outcome == "cancelling"
+    await expire_lease(h, job)
+    reaper = reaper_of(h)
+    assert await reaper.reap_leases(await reaper.now_ms()) == {"dropped": 1}
+    assert await reply_events(h) == []
+    assert await h.record(job) is None
+    assert await h.in_flight("a") == 0
+
+
+async def test_one_round_per_interval_across_processes(h: Harness) -> None:
+    first, second = reaper_of(h, "r1"), reaper_of(h, "r2")
+    assert await first.run_once() is not None
+    assert await second.run_once() is None
+
+
+async def test_dead_replica_jobs_are_cancelled(h: Harness) -> None:
+    await h.up("a")
+    running, _ = await h.submit("m")
+    waiting, _ = await h.submit("m")
+    await h.api.heartbeat()
+    await h.redis.zadd(keys.REPLICAS, {"rep1": 1})  # its liveness ran out
+    reaper = reaper_of(h)
+    assert await reaper.reap_replicas(await reaper.now_ms()) == 1
+    assert await h.queued("m") == []
+    assert await h.record(waiting) is None
+    assert (await h.record(running)).state == "c"
+    # Its worker learns at the next renewal (or on the cancel channel) and releases.
+    a = await h.assignment(running)
+    assert await h.node.renew([(running, a.fence)]) == [(running, "cancelled")]
+    await h.node.finish(a, None)
+    assert await h.in_flight("a") == 0
+    assert await reaper.reap_replicas(await reaper.now_ms()) == 1
+    assert await h.redis.zscore(keys.REPLICAS, "rep1") is None
+
+
+async def test_orphans_long_past_their_deadline_are_removed(h: Harness) -> None:
+    job, status = await h.submit("m")  # no provider is up: it waits
+    assert status == "queued"
+    reaper = reaper_of(h)
+    now = await reaper.now_ms()
+    assert await reaper.reap_orphans(now) == 0
+    await h.redis.zadd(keys.DEADLINES, {job: now - ORPHAN_GRACE_MS - 1})
+    assert await reaper.reap_orphans(now) == 1
+    assert await h.queued("m") == []
+    assert await h.record(job) is None
+    assert await h.redis.hlen(keys.BODIES) == 0
+
+
+async def test_reconcile_sets_in_flight_to_the_live_leases(h: Harness) -> None:
+    await h.up("a")
+    await h.submit("m")
+    await h.set_in_flight("a", 5)
+    await h.redis.zadd(keys.LEASES, {"ghost-job": 10**15})  # a lease no record backs
+    reaper = reaper_of(h)
+    assert await reaper.reconcile() == [("a", 5, 1)]
+    assert await h.in_flight("a") == 1
+    assert await h.redis.zscore(keys.LEASES, "ghost-job") is None
+    assert await reaper.reconcile() == []

@@ -1,0 +1,312 @@
+"""The ``iop`` command line: ``config check``, argument errors, ``worker``, ``fake-provider``.
+
+Most cases call :func:`iop.cli.main` in-process (capsys); the ones that are about the real
+console script (exit status of ``python -m iop``, a long-running server and its signals)
+run it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import yaml
+
+from iop.cli import DEMO_CONFIG, main
+from iop.redis_server import free_port
+from iop.up import _fake_models
+
+ROOT = Path(__file__).resolve().parents[2]
+
+VALID = """
+models:
+  - id: m1
+    providers: {p1: served-1, p2: served-2}
+  - id: m2
+    providers: {p2: served-3}
+nodes:
+  - id: n1
+    providers:
+      - {id: p1, type: vllm, base_url: "http://127.0.0.1:9", capacity: 3, models: [served-1]}
+  - id: n2
+    providers:
+      - {id: p2, type: ollama, base_url: "http://127.0.0.1:10/v1", capacity: 5, models: [served-2, served-3]}
+      - {id: p3, type: openai_api, base_url: "http://127.0.0.1:11", models: [x]}
+"""
+
+# Several independent problems, all of which the validator must list at once.
+BROKEN = """
+models:
+  - id: m1
+    providers: {p1: not-served, ghost: whatever}
+  - id: m1
+    providers: {p1: served-1}
+nodes:
+  - id: n1
+    providers:
+      - {id: p1, type: vllm, base_url: "http://127.0.0.1:9", capacity: -1, models: [served-1]}
+      - {id: p2, type: nonsense, base_url: "ftp://x"}
+queue:
+  max_queue: -5
+"""
+
+BROKEN_PATHS = {
+    "$.models[0].providers.p1": "not-served",
+    "$.models[0].providers.ghost": "ghost",
+    "$.models[1].id": "duplicate model id",
+    "$.nodes[0].providers[0].capacity": "must be >= 0",
+    "$.nodes[0].providers[1].type": "unknown type",
+    "$.nodes[0].providers[1].base_url": "http://",
+    "$.queue.max_queue": "must be >= 0",
+}
+
+
+def run_iop(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "IOP_REDIS_URL"}
+    return subprocess.run([sys.executable, "-m", "iop", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def call_main(*args: str) -> int:
+    """``main(args)``'s status, whether it returns it or raises SystemExit (argparse, _load)."""
+    try:
+        return main(list(args))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+# --- config check ---------------------------------------------------------------------------
+
+
+def test_config_check_valid_file_prints_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(VALID)
+    assert call_main("config", "check", str(path)) == 0
+    out, err = capsys.readouterr()
+    first = out.splitlines()[0]
+    assert first.startswith(f"{path}: OK")
+    assert "2 model(s)" in first
+    assert "2 node(s)" in first
+    assert "3 provider(s)" in first
+    assert "total capacity 9" in first  # 3 + 5 + the default 1
+    # One line per model, naming its pool with the served names.
+    assert "m1: p1 -> served-1, p2 -> served-2" in out
+    assert "m2: p2 -> served-3" in out
+    assert err == ""
+
+
+def test_config_check_lists_every_problem_with_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    assert call_main("config", "check", str(path)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith(f"{path}: ")
+    assert "problem(s)" in lines[0]
+    count = int(lines[0].split(": ")[1].split()[0])
+    assert count == len(lines) - 1 >= len(BROKEN_PATHS)
+    for where, words in BROKEN_PATHS.items():
+        matching = [line for line in lines[1:] if line.strip().startswith(f"{where}: ")]
+        assert matching, f"no problem reported at {where}:\n{err}"
+        assert any(words in line for line in matching), f"{where}: expected {words!r} in {matching}"
+
+
+def test_config_check_unknown_field_names_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text("queue:\n  max_qeue: 3\n")
+    assert call_main("config", "check", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "$.queue.max_qeue: unknown field" in err
+
+
+def test_config_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "nope.yaml"
+    assert call_main("config", "check", str(path)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert str(path) in err
+    assert "cannot read" in err
+    assert "No such file" in err
+    assert "Traceback" not in err
+
+
+def test_config_check_subprocess_exit_statuses(tmp_path: Path) -> None:
+    """The console script itself: 0 on the demo config, 2 on a broken or missing file."""
+    demo = run_iop("config", "check", str(DEMO_CONFIG))
+    assert demo.returncode == 0, demo.stderr
+    assert "OK - 2 model(s), 2 node(s), 4 provider(s)" in demo.stdout
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(BROKEN)
+    bad = run_iop("config", "check", str(broken))
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    for where in BROKEN_PATHS:
+        assert f"{where}: " in bad.stderr
+
+    missing = run_iop("config", "check", str(tmp_path / "missing.yaml"))
+    assert missing.returncode == 2
+    assert "cannot read" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_config_check_demo_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main("config", "check", str(DEMO_CONFIG)) == 0
+    out = capsys.readouterr().out
+    demo = yaml.safe_load(DEMO_CONFIG.read_text())
+    for model in demo["models"]:
+        assert f"  {model['id']}: " in out
+
+
+def test_config_check_ignores_redis_url_env(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert call_main("config", "check", str(DEMO_CONFIG)) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+# --- argument errors and worker ---------------------------------------------------------------
+
+
+def test_no_subcommand_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: iop")
+    assert "required" in err
+
+
+def test_no_subcommand_subprocess() -> None:
+    result = run_iop()
+    assert result.returncode == 2
+    assert "usage: iop" in result.stderr
+    for command in ("up", "api", "worker", "config", "fake-provider"):
+        assert command in result.stderr
+
+
+def test_config_without_check_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main("config") == 2
+    assert "usage: iop config" in capsys.readouterr().err
+
+
+def test_worker_unknown_node_names_known_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main("worker", "--config", str(DEMO_CONFIG), "--node", "unknown") == 2
+    err = capsys.readouterr().err
+    assert "'unknown'" in err
+    assert "gpu-a" in err
+    assert "gpu-b" in err
+
+
+def test_worker_unknown_node_subprocess() -> None:
+    result = run_iop("worker", "--config", str(DEMO_CONFIG), "--node", "unknown")
+    assert result.returncode == 2
+    assert "no node 'unknown' (nodes: gpu-a, gpu-b)" in result.stderr
+
+
+def test_worker_unknown_node_in_a_config_without_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("queue: {max_queue: 1}\n")
+    assert call_main("worker", "--config", str(path), "--node", "n1") == 2
+    assert "no node 'n1' (nodes: none)" in capsys.readouterr().err
+
+
+def test_worker_with_broken_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    assert call_main("worker", "--config", str(path), "--node", "n1") == 2
+    assert "$.queue.max_queue" in capsys.readouterr().err
+
+
+def test_up_with_missing_config_exits_2_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert call_main("up", "--config", str(tmp_path / "missing.yaml"), "--port", str(free_port())) == 2
+    out, err = capsys.readouterr()
+    assert "cannot read" in err
+    assert "iop is up" not in out
+
+
+# --- fake-provider ----------------------------------------------------------------------------
+
+
+def _wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fake-provider exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"fake-provider did not listen on {port} within {timeout}s")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_fake_provider_serves_models_and_stops_on_signal(tmp_path: Path, signum: int) -> None:
+    port = free_port()
+    log = tmp_path / "fake.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "iop", "fake-provider", "--port", str(port),
+                                 "--models", "a,b"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        _wait_port(port, proc)
+        resp = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert resp.status_code == 200
+        body = resp.json()
+        assert body["object"] == "list"
+        assert sorted(m["id"] for m in body["data"]) == ["a", "b"]
+        proc.send_signal(signum)
+        status = proc.wait(timeout=30)
+        assert status in (0, -signum), log.read_text()
+        assert f"listening on http://127.0.0.1:{port}" in log.read_text()
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The port is released.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# --- the demo config's promise ----------------------------------------------------------------
+
+
+def test_demo_config_pools_and_fakes() -> None:
+    """Every demo model has >= 2 providers with different served names and capacities, and every
+    provider's base_url is one of the fakes ``iop up`` starts, which reports the served names."""
+    from dispatcher import config as cfg
+
+    raw = yaml.safe_load(DEMO_CONFIG.read_text())
+    config = cfg.load(DEMO_CONFIG)
+    providers = {p.id: p for _, p in config.providers()}
+    fakes = {(f.host, f.port) for f in config.demo.fake_providers}
+    assert len(fakes) == len(config.demo.fake_providers), "two fakes on one port"
+
+    assert [m.id for m in config.models] == [m["id"] for m in raw["models"]]
+    for model in config.models:
+        assert len(model.providers) >= 2, f"{model.id} has a pool of one"
+        served = list(model.providers.values())
+        assert len(set(served)) == len(served), f"{model.id}: served names repeat: {served}"
+        capacities = [providers[pid].capacity for pid in model.providers]
+        assert len(set(capacities)) > 1, f"{model.id}: every provider has capacity {capacities[0]}"
+
+    for prov in providers.values():
+        assert prov.base_url is not None
+        parts = urlsplit(prov.base_url)
+        assert parts.port is not None
+        host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname
+        assert (host, parts.port) in fakes, f"{prov.id}: {prov.base_url} is served by no demo fake"
+        # The fake on that port reports every name this provider serves.
+        assert set(prov.models) <= set(_fake_models(config, host, parts.port))
