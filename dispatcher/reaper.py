@@ -55,7 +55,7 @@ class Reaper:
         self.rounds = 0
         self.provider_ids = [p.id for _, p in config.providers()]
         self._lost_event = events.encode(
-            Failed.from_error(WorkerLost("the worker running this request stopped after output had started"))
+            Failed.from_error(WorkerLost("the worker running this request was lost"))
         )
 
     async def run_once(self) -> ReapStats | None:

@@ -85,6 +85,10 @@ class Worker:
         self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.worker_id)
         self.adapters: dict[str, Adapter] = {}
         self.limiters: dict[str, anyio.CapacityLimiter] = {}
+        # Redis hands a new entry to whichever consumer is blocked reading. A worker that
+        # froze mid-read must stop being one well before its leases expire, or it would
+        # swallow the very jobs the reaper hands out again.
+        self._block_ms = min(BLOCK_MS, config.dispatch.lease_ms // 3)
         self.health: dict[str, ProbeResult] = {}
         self.running: dict[str, Running] = {}
         # Cancels that arrived before their job was read from the stream.
@@ -186,7 +190,7 @@ class Worker:
                 try:
                     batch: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xreadgroup(  # type: ignore[assignment]
                         keys.NODE_GROUP, self.worker_id, {self.slots.node_key: ">"},
-                        count=READ_BATCH, block=BLOCK_MS,
+                        count=READ_BATCH, block=self._block_ms,
                     )
                     delay = 0.1
                 except RedisError as exc:

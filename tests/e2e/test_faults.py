@@ -191,7 +191,7 @@ def test_frozen_worker_is_fenced_when_it_wakes_up(system: System) -> None:
         frozen.signal(signal.SIGCONT)
     resp = request.result
     assert isinstance(resp, httpx.Response), resp
-    assert resp.status_code == 200
+    assert resp.status_code == 200, (resp.text, system.logs())
     # The frozen worker wakes up and finishes its (taken over) copy: refused, nothing moves.
     system.wait_until("the frozen worker's call ended", lambda: fake.stats()["in_flight"] == 0, timeout=30)
     settled(system, "p")
