@@ -1,4 +1,11 @@
-"""Caller keys: ``Authorization: Bearer <key>`` checked in constant time."""
+"""Keys: ``Authorization: Bearer <key>`` checked in constant time.
+
+Two sets: caller keys (``api.api_keys_env``) guard ``/v1/*``; admin keys
+(``api.admin_keys_env``) guard the operator surfaces ``/catalog`` and ``/metrics``
+(the ``/ui`` page itself holds no data and asks for a key when ``/catalog`` wants
+one). Without admin keys the operator surfaces take the caller keys; with neither,
+everything is open. ``/healthz`` and ``/readyz`` are always open.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,10 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from dispatcher.exceptions import Unauthorized
+
+
+def admin_keys(api_keys_env: str | None, admin_keys_env: str | None) -> list[bytes] | None:
+    return load_keys(admin_keys_env) if admin_keys_env else load_keys(api_keys_env)
 
 
 def load_keys(env_name: str | None) -> list[bytes] | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from api.metrics import RequestMetrics
 from api.replies import ReplyReader
 from dispatcher import keys
 from dispatcher.config import Config
@@ -36,6 +37,7 @@ class Gateway:
         self.replies = ReplyReader(self.redis, keys.reply(self.replica_id))
         self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.replica_id)
         self.models = {m.id: m for m in config.models}
+        self.metrics = RequestMetrics(set(self.models))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._closing = False

@@ -17,10 +17,12 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response
+from litestar.exceptions import HTTPException
 from litestar.response import Stream
 from redis.exceptions import RedisError
 
 from api.gateway import Gateway
+from api.metrics import RequestClock
 from api.replies import ClientGone, Waiter
 from dispatcher import events
 from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
@@ -114,11 +116,27 @@ class JobWait:
 
 
 async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> Response[Any]:
+    clock = RequestClock(gw.metrics)
+    try:
+        return await _relay(request, gw, endpoint, clock)
+    except RequestError as exc:
+        clock.done(exc.status)
+        raise
+    except HTTPException as exc:
+        clock.done(exc.status_code)
+        raise
+    except BaseException:
+        clock.done(500)
+        raise
+
+
+async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock) -> Response[Any]:
     body = await request.body()
     model_id, stream = parse_request(body)
     model = gw.models.get(model_id)
     if model is None:
         raise ModelNotFound(model_id)
+    clock.model = model_id
     if endpoint == "embeddings":
         stream = False
 
@@ -143,19 +161,22 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
         wait.waiting(submitted)
         first = await wait.next_event()
         watcher.cancel()
+        if isinstance(first, Chunks):  # only a Start can come before Chunks
+            raise WorkerLost("The worker's stream began without its start")
+        if first.meta is not None:
+            clock.provider = first.meta.provider
+            clock.queued(first.meta.queue_ms)
         if isinstance(first, Done):
+            clock.done(first.status)
             return _json_answer(first, model_id)
         if isinstance(first, Failed):
             raise _error(first)
-        if isinstance(first, Chunks):  # only a Start can come before Chunks
-            raise WorkerLost("The worker's stream began without its start")
         handed_off = True
-        meta = first.meta
         return Stream(
-            _sse(wait, first, model_id),
+            _sse(wait, first, model_id, clock),
             media_type="text/event-stream",
             status_code=first.status if isinstance(first, Start) else 200,
-            headers={**SSE_HEADERS, **(_meta_headers(meta) if meta else {})},
+            headers={**SSE_HEADERS, **(_meta_headers(first.meta) if first.meta else {})},
         )
     except ClientGone:
         raise JobCancelled("The client closed the connection") from None
@@ -173,28 +194,36 @@ async def _watch_disconnect(request: Request[Any, Any, Any], waiter: Waiter) -> 
     waiter.client_gone()
 
 
-async def _sse(wait: JobWait, first: Start | End, model_id: str) -> AsyncIterator[bytes]:
+async def _sse(wait: JobWait, first: Start | End, model_id: str, clock: RequestClock) -> AsyncIterator[bytes]:
+    status = JobCancelled.status  # unless the stream reaches its end
     try:
         event: events.Event = first
         while True:
             if isinstance(event, Start | Chunks):
                 if event.chunks:
                     yield _frames(event.chunks, model_id)
+                    if event is first:
+                        clock.first_byte()
             elif isinstance(event, End):
+                status = 200
                 yield DONE_FRAME
                 return
             elif isinstance(event, Failed):
+                status = event.status
                 yield _error_frame(event)
                 return
             else:  # Done cannot follow a stream's start; treat it as the end.
+                status = 200
                 yield DONE_FRAME
                 return
             try:
                 event = await wait.next_event()
             except RequestError as exc:
+                status = exc.status
                 yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
                 return
     finally:
+        clock.done(status)
         wait.gw.replies.unregister(wait.job_id)
         if not wait.settled:
             wait.gw.spawn(wait.cancel())

@@ -5,10 +5,15 @@ Decoding (``msgspec.yaml.decode``) rejects unknown fields and wrong types with a
 field to judge -- references between models and providers, duplicates, enums,
 ranges -- is checked afterwards by :func:`validate`, which reports *all* problems
 at once.
+
+The older route shape (``openai.model_routes`` + ``nodes[].adapters``) is still
+accepted: :mod:`dispatcher.legacy` converts it to this one before validation and
+reports its problems at their legacy paths, with a deprecation warning per entry.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -22,6 +27,8 @@ from dispatcher.exceptions import ConfigError, ConfigProblem
 PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "openai_api", "cli")
 HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
 CATEGORIES = ("api", "cli", "local_inference")
+
+_log = logging.getLogger("iop.config")
 
 # The category a provider gets when the config does not name one.
 DEFAULT_CATEGORY = {
@@ -45,6 +52,8 @@ class RedisConfig(_Base, frozen=True):
 class ApiConfig(_Base, frozen=True):
     # Name of an env var holding comma-separated caller keys; unset = open API.
     api_keys_env: str | None = None
+    # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
+    admin_keys_env: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -261,38 +270,85 @@ def _normalised(config: Config) -> Config:
 
 
 def decode(data: bytes | str) -> Config:
-    """Decode and validate YAML text; raise :class:`ConfigError` listing every problem."""
-    try:
-        raw: Any = msgspec.yaml.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ConfigError([ConfigProblem("$", f"not valid YAML: {exc}")]) from None
-    return from_builtins(raw)
+    """Decode and validate YAML text; raise :class:`ConfigError` listing every problem.
+
+    Deprecation warnings (legacy entries, see ``dispatcher.legacy``) go to the ``iop.config``
+    logger, so every process that loads the file says so at start-up.
+    """
+    config, warnings = decode_with_warnings(data)
+    _log_warnings(warnings)
+    return config
+
+
+def decode_with_warnings(data: bytes | str) -> tuple[Config, list[str]]:
+    """:func:`decode`, handing the deprecation warnings to the caller instead of logging them."""
+    return from_builtins_with_warnings(parse_yaml(data))
 
 
 def from_builtins(raw: Any) -> Config:
+    config, warnings = from_builtins_with_warnings(raw)
+    _log_warnings(warnings)
+    return config
+
+
+def from_builtins_with_warnings(raw: Any) -> tuple[Config, list[str]]:
+    """Convert and validate decoded YAML, in the pool shape, the legacy route shape or a mix.
+
+    Legacy entries are converted to the pool shape before :func:`validate` runs, so the rules
+    are written once; problems found in them are reported at their legacy paths.
+    """
+    # Imported here: dispatcher.legacy builds on the structs of this module.
+    from dispatcher import legacy
+
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError([ConfigProblem("$", "the config must be a mapping")])
+    core, parts, problems = legacy.split(raw)
     try:
-        config = msgspec.convert(raw, type=Config)
+        config = msgspec.convert(core, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError([_problem_from_validation(exc)]) from None
-    problems = validate(config)
+        problems.insert(0, problem_from_validation(exc))
     if problems:
         raise ConfigError(problems)
-    return _normalised(config)
+    conversion = legacy.convert(config, parts)
+    if conversion.problems:
+        raise ConfigError(conversion.problems)
+    return _normalised(conversion.config), conversion.warnings
 
 
 def load(path: str | Path) -> Config:
+    config, warnings = load_with_warnings(path)
+    _log_warnings(warnings)
+    return config
+
+
+def load_with_warnings(path: str | Path) -> tuple[Config, list[str]]:
+    """:func:`load`, handing the deprecation warnings to the caller instead of logging them."""
+    return decode_with_warnings(read_file(path))
+
+
+def read_file(path: str | Path) -> bytes:
     try:
-        data = Path(path).read_bytes()
+        return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError([ConfigProblem("$", f"cannot read {path}: {exc.strerror}")]) from None
-    return decode(data)
 
 
-def _problem_from_validation(exc: msgspec.ValidationError) -> ConfigProblem:
+def parse_yaml(data: bytes | str) -> Any:
+    """The YAML document as builtins (``None`` for an empty one); a syntax error is a :class:`ConfigError`."""
+    try:
+        return msgspec.yaml.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ConfigError([ConfigProblem("$", f"not valid YAML: {exc}")]) from None
+
+
+def _log_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        _log.warning("%s", warning)
+
+
+def problem_from_validation(exc: msgspec.ValidationError) -> ConfigProblem:
     # msgspec ends its message with " - at `$.a.b`"; split it so the path comes first like ours.
     text = str(exc)
     message, sep, where = text.rpartition(" - at `")

@@ -4,6 +4,8 @@
     iop api --config FILE [--host H] [--port P] [--workers N]
     iop worker --config FILE --node NODE_ID
     iop config check FILE
+    iop config migrate FILE                print the pool-shape equivalent of a legacy-shape config
+    iop catalog [--url URL] [--json]
     iop fake-provider --port P [--delay-ms D] [--tokens N] [--token-interval-ms T]
 """
 
@@ -14,6 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError
@@ -25,14 +28,25 @@ def _load(path: str) -> cfg.Config:
     try:
         return cfg.load(path)
     except ConfigError as exc:
-        print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _exit_with_problems(path, exc)
+
+
+def _exit_with_problems(path: str, exc: ConfigError) -> NoReturn:
+    print(f"{path}: {len(exc.problems)} problem(s)", file=sys.stderr)
+    for problem in exc.problems:
+        print(f"  {problem}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    config = _load(args.file)
+    try:
+        config, warnings = cfg.load_with_warnings(args.file)
+    except ConfigError as exc:
+        _exit_with_problems(args.file, exc)
+    if warnings:
+        print(f"{args.file}: {len(warnings)} deprecation warning(s)", file=sys.stderr)
+        for warning in warnings:
+            print(f"  {warning}", file=sys.stderr)
     providers = list(config.providers())
     capacity = sum(p.capacity for _, p in providers)
     print(f"{args.file}: OK - {len(config.models)} model(s), {len(config.nodes)} node(s), "
@@ -41,6 +55,17 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         pool = ", ".join(f"{pid} -> {served}" for pid, served in model.providers.items())
         print(f"  {model.id}: {pool} (max_queue {config.max_queue(model)}, "
               f"queue_timeout_ms {config.queue_timeout_ms(model)})")
+    return 0
+
+
+def cmd_config_migrate(args: argparse.Namespace) -> int:
+    from dispatcher import legacy
+
+    try:
+        text = legacy.migrate_file(args.file)
+    except ConfigError as exc:
+        _exit_with_problems(args.file, exc)
+    sys.stdout.write(text)
     return 0
 
 
@@ -86,6 +111,12 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_catalog(args: argparse.Namespace) -> int:
+    from iop.catalog_cli import main as catalog_main
+
+    return catalog_main(args.url, args.json, args.key_env, args.colour)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iop", description="One OpenAI-compatible API over a pool of LLM providers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate a config file, listing every problem")
     check.add_argument("file")
     check.set_defaults(func=cmd_config_check)
+    migrate = config_sub.add_parser(
+        "migrate", help="print the pool-shape (models[], nodes[].providers[]) equivalent of a legacy-shape config"
+    )
+    migrate.add_argument("file")
+    migrate.set_defaults(func=cmd_config_migrate)
+
+    catalog = sub.add_parser("catalog", help="show the provider catalog of a running iop")
+    catalog.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+    catalog.add_argument("--json", action="store_true", help="print the raw JSON")
+    catalog.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
+    catalog.add_argument("--colour", "--color", dest="colour", action=argparse.BooleanOptionalAction, default=None,
+                         help="colour the health column (default: when printing to a terminal)")
+    catalog.set_defaults(func=cmd_catalog)
 
     fake = sub.add_parser("fake-provider", help="run the fake OpenAI-compatible upstream (tests, demo, benchmarks)")
     fake.add_argument("--host", default="127.0.0.1")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
+from collections.abc import Iterator
 
 import anyio
 import uvicorn
@@ -19,18 +22,34 @@ def serve_api(config_path: str, *, host: str, port: int, workers: int, log_level
     configure_logging(log_level)
     # Server processes (one or many) build the app from this file.
     os.environ["IOP_CONFIG"] = os.path.abspath(config_path)
-    uvicorn.run(
-        "api.app:create_app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers if workers > 1 else None,
-        loop="uvloop",
-        http="httptools",
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    with _metrics_dir(workers):
+        uvicorn.run(
+            "api.app:create_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers if workers > 1 else None,
+            loop="uvloop",
+            http="httptools",
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+        )
+
+
+@contextlib.contextmanager
+def _metrics_dir(workers: int) -> Iterator[None]:
+    """Several server processes on one port: their counters go to files in one directory
+    (prometheus_client's multiprocess mode), so a scrape of any of them sees them all."""
+    if workers <= 1 or os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="iop-metrics-") as path:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        try:
+            yield
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def serve_worker(config: Config, node_id: str, *, log_level: str) -> None:

@@ -48,8 +48,8 @@ from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import BLOCK_MS, connect, server_warnings
 from dispatcher.scripts import Scripts
 from dispatcher.slots import NodeSlots
-from workers.adapters import make_adapter
 from workers.adapters.base import ENDPOINTS, Adapter, ProbeResult, ProviderCall
+from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import new_session
 from workers.sink import JobAborted, RedisSink
 
@@ -376,6 +376,7 @@ class Worker:
             ("models", json.dumps(provider.models)),
             ("reason", result.reason),
             ("reported_models", json.dumps(result.models) if result.models is not None else ""),
+            ("loaded_models", json.dumps(result.loaded) if result.loaded is not None else ""),
             ("worker", self.worker_id),
         ]
         await self.slots.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)

@@ -141,7 +141,6 @@ def test_worker_killed_after_output_the_stream_ends_with_worker_lost(system: Sys
     doomed = system.worker("n1", "worker-doomed")
     system.api()
     system.wait_available("p")
-    system.wait_serving(system.worker("n1", "worker-survivor"))
     payloads = stream_events(system, {"model": "m", "messages": MESSAGES, "stream": True}, on_first=doomed.kill)
     assert json.loads(payloads[0])["model"] == "m"
     last = json.loads(payloads[-1])
@@ -228,12 +227,13 @@ def test_sigterm_past_the_grace_period_hands_the_job_to_another_worker(system: S
     leaving = system.worker("n1", "worker-leaving")
     system.api()
     system.wait_available("p")
-    system.wait_serving(system.worker("n1", "worker-staying"))
     fake.control(delay_ms=8000)  # longer than drain_grace_s
     request = Background(lambda: post(system))
     request.start()
     system.wait_until("job running", busy(fake))
     fake.control(delay_ms=0)  # the second attempt is quick
+    # Started now, so the first attempt surely ran on the leaving worker.
+    system.wait_serving(system.worker("n1", "worker-staying"))
     leaving.signal(signal.SIGTERM)
     assert leaving.wait(timeout=30) == 0
     request.join(timeout=60)

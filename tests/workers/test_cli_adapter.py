@@ -569,7 +569,7 @@ async def test_output_just_under_the_cap_is_fine(monkeypatch: pytest.MonkeyPatch
 
 async def test_probe_found() -> None:
     result = await CliAdapter(provider([PY, "-c", "pass"])).probe(1.0)
-    assert result == ProbeResult(True, "", models=["m"])
+    assert result == ProbeResult(True, "")
 
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="no sh on PATH")
@@ -622,3 +622,12 @@ async def test_escaped_grandchild_holding_stdout_does_not_hang_the_call(tmp_path
     finally:
         with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
             os.kill(int(grandchild_file.read_text()), signal.SIGKILL)
+
+
+async def test_probe_of_a_command_that_hangs_is_unhealthy(tmp_path: Path) -> None:
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\nsleep 30\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    result = await CliAdapter(provider([str(tool)])).probe(0.3)
+    assert not result.healthy
+    assert "did not finish" in result.reason

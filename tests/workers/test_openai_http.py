@@ -844,7 +844,7 @@ async def test_probe_timeout(session: aiohttp.ClientSession) -> None:
     async with RawServer(None) as server:
         result = await OpenAIHttpAdapter(provider(server.url), session).probe(0.3)
         (head,) = server.heads
-    assert head.startswith(b"GET /v1/models HTTP/1.1\r\n")
+    assert head.startswith(b"GET /health HTTP/1.1\r\n")  # vllm: health first, then the model list
     assert not result.healthy
     assert "timed out" in result.reason
     assert result.models is None

@@ -33,6 +33,8 @@ class ProbeResult(msgspec.Struct, frozen=True):
     reason: str = ""
     # Model names the provider itself reports; None when it cannot say.
     models: list[str] | None = None
+    # Models loaded in memory right now, where the runtime says (Ollama's /api/ps).
+    loaded: list[str] | None = None
 
 
 class Sink(Protocol):

@@ -20,7 +20,6 @@ import codecs
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -35,6 +34,7 @@ from dispatcher.exceptions import (
     ProviderUnreachable,
 )
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
+from workers.probes import probe_command
 
 # Beyond this the command is runaway (or not a chat tool at all): kill it rather than
 # buffer without bound in the worker.
@@ -105,13 +105,8 @@ class CliAdapter(Adapter):
         command = self.provider.command
         if not command:
             return ProbeResult(False, "no command configured")
-        executable = command[0]
-        # which() also checks a path with a directory part (absolute or relative) for
-        # being an executable file, so one call covers both forms. The child's PATH is
-        # the one that matters, and it is the worker's own (see _child_env).
-        if shutil.which(executable) is None:
-            return ProbeResult(False, f"executable {executable!r} not found")
-        return ProbeResult(True, "", models=list(self.provider.models))
+        # The executable must resolve and start; a command reports no models of its own.
+        return await probe_command(command[0], _child_env(self.provider.api_key_env), timeout_s)
 
     def _argv(self, target: str) -> list[str]:
         command = self.provider.command

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 
 import aiohttp
-import msgspec
 
 from dispatcher.config import ProviderConfig
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from dispatcher.jsonbody import is_json_object
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
+from workers.probes import probe_http
 from workers.sse import SSEParser
 
 HttpSession = aiohttp.ClientSession
@@ -24,10 +24,6 @@ HttpSession = aiohttp.ClientSession
 # A JSON answer larger than this is refused rather than held in memory.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _ERROR_BODY_BYTES = 64 * 1024
-
-
-class _ModelList(msgspec.Struct):
-    data: list[dict[str, object]] = []
 
 
 def new_session(connections: int) -> HttpSession:
@@ -77,23 +73,7 @@ class OpenAIHttpAdapter(Adapter):
             ) from None
 
     async def probe(self, timeout_s: float) -> ProbeResult:
-        try:
-            async with self.session.get(
-                f"{self.root}/v1/models",
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                allow_redirects=False,
-            ) as resp:
-                if resp.status != 200:
-                    return ProbeResult(False, f"GET /v1/models answered {resp.status}")
-                listing = msgspec.json.decode(await _read_capped(resp, MAX_BODY_BYTES), type=_ModelList)
-        except TimeoutError:
-            return ProbeResult(False, f"GET /v1/models timed out after {timeout_s}s")
-        except (aiohttp.ClientError, ProviderUnreachable) as exc:
-            return ProbeResult(False, f"GET /v1/models failed: {exc.__class__.__name__}: {exc}")
-        except msgspec.DecodeError:
-            return ProbeResult(False, "GET /v1/models answered something that is not a model list")
-        return ProbeResult(True, "", [str(m["id"]) for m in listing.data if "id" in m])
+        return await probe_http(self.session, self.root, self.headers, self.provider.type, timeout_s)
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:

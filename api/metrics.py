@@ -1,0 +1,128 @@
+"""Prometheus metrics (``GET /metrics``).
+
+Two kinds:
+
+* **Global gauges** -- provider in_flight, capacity and health, queued jobs and the
+  oldest wait per model group -- are read from Redis at scrape time, so every replica
+  reports the same values (aggregate them with ``max``, not ``sum``).
+* **Per-process counters and histograms** -- requests by model, provider and status,
+  request latency, queue wait, streams' time to first byte. When ``iop api --workers N``
+  runs several processes on one port, each writes to ``PROMETHEUS_MULTIPROC_DIR``
+  (prometheus_client's multiprocess mode, set up by ``iop api``) and a scrape of any of
+  them returns the sum over all, so no process's counts are lost to the load balancer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from dispatcher.catalog import Catalog
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+UNKNOWN = "_unknown"  # label for model ids outside the config: callers must not mint label values
+
+
+class RequestMetrics:
+    def __init__(self, known_models: set[str]) -> None:
+        self.known_models = known_models
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "iop_requests", "Requests answered, by model, provider and HTTP status",
+            ["model", "provider", "status"], registry=self.registry,
+        )
+        self.latency = Histogram(
+            "iop_request_duration_seconds", "Time from request to the end of its answer",
+            ["model", "provider", "status"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "iop_queue_wait_seconds", "Time a request waited in its model queue before dispatch",
+            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ttfb = Histogram(
+            "iop_stream_first_byte_seconds", "Time from request to the first streamed chunk",
+            ["model", "provider"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def model_label(self, model: str | None) -> str:
+        return model if model in self.known_models else UNKNOWN
+
+    def render(self, catalog: Catalog | None) -> bytes:
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            text = generate_latest(registry)
+        else:
+            text = generate_latest(self.registry)
+        if catalog is not None:
+            gauges = CollectorRegistry()
+            gauges.register(_CatalogCollector(catalog))
+            text += generate_latest(gauges)
+        return text
+
+
+class RequestClock:
+    """Times one request and records it exactly once."""
+
+    __slots__ = ("_done", "metrics", "model", "provider", "started")
+
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self.metrics = metrics
+        self.started = time.perf_counter()
+        self.model = UNKNOWN
+        self.provider = ""
+        self._done = False
+
+    def queued(self, queue_ms: int) -> None:
+        self.metrics.queue_wait.labels(self.model).observe(queue_ms / 1000)
+
+    def first_byte(self) -> None:
+        self.metrics.ttfb.labels(self.model, self.provider).observe(time.perf_counter() - self.started)
+
+    def done(self, status: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        labels = (self.model, self.provider, str(status))
+        self.metrics.requests.labels(*labels).inc()
+        self.metrics.latency.labels(*labels).observe(time.perf_counter() - self.started)
+
+
+class _CatalogCollector(Collector):
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["provider", "node", "type", "category"]
+        in_flight = GaugeMetricFamily("iop_provider_in_flight", "Requests running on the provider", labels=labels)
+        capacity = GaugeMetricFamily("iop_provider_capacity", "Concurrent slots of the provider", labels=labels)
+        up = GaugeMetricFamily("iop_provider_available", "1 when the dispatcher may choose the provider",
+                               labels=labels)
+        health = GaugeMetricFamily("iop_provider_health", "1 for the provider's current health state",
+                                   labels=[*labels, "health"])
+        queued_p = GaugeMetricFamily("iop_provider_queued", "Jobs waiting in the groups the provider serves",
+                                     labels=labels)
+        for p in self.catalog.providers:
+            values = [p.id, p.node_id, p.type, p.category]
+            in_flight.add_metric(values, p.in_flight)
+            capacity.add_metric(values, p.capacity)
+            up.add_metric(values, 1 if p.health == "available" else 0)
+            queued_p.add_metric(values, p.queued)
+            for state in ("available", "unavailable", "unknown"):
+                health.add_metric([*values, state], 1 if p.health == state else 0)
+        queued = GaugeMetricFamily("iop_model_queued", "Jobs waiting in the model group's queue", labels=["model"])
+        oldest = GaugeMetricFamily("iop_model_oldest_wait_seconds", "Age of the oldest waiting job",
+                                   labels=["model"])
+        for m in self.catalog.models:
+            queued.add_metric([m.id], m.queued)
+            oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
+        yield from (in_flight, capacity, up, health, queued_p, queued, oldest)

@@ -1,0 +1,56 @@
+"""The read-only operator surfaces: ``/catalog`` (JSON), ``/ui`` (a page over it) and
+``/metrics`` (Prometheus). Nothing here changes any state (D06)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Response, Router, get
+from litestar.datastructures import State
+from redis.exceptions import RedisError
+
+from api.gateway import Gateway
+from api.metrics import CONTENT_TYPE
+from dispatcher.catalog import read_catalog
+from dispatcher.exceptions import RedisUnavailable
+
+_UI = (Path(__file__).resolve().parent / "ui.html").read_bytes()
+
+
+def _gw(state: State) -> Gateway:
+    gw: Gateway = state.gateway
+    return gw
+
+
+@get("/catalog", summary="Providers, their health and load, and the model groups (read-only)")
+async def catalog(state: State) -> Response[bytes]:
+    gw = _gw(state)
+    try:
+        doc = await read_catalog(gw.redis, gw.config)
+    except RedisError as exc:
+        raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+    return Response(msgspec.json.encode(doc), media_type="application/json")
+
+
+@get("/metrics", summary="Prometheus metrics")
+async def metrics(state: State) -> Response[bytes]:
+    gw = _gw(state)
+    try:
+        doc = await read_catalog(gw.redis, gw.config)
+    except RedisError:
+        doc = None  # the per-process series are still worth a scrape
+    return Response(gw.metrics.render(doc), media_type=CONTENT_TYPE)
+
+
+@get("/ui", summary="The catalog as a page that refreshes itself", include_in_schema=False)
+async def ui() -> Response[bytes]:
+    return Response(_UI, media_type="text/html; charset=utf-8")
+
+
+def operator_router(guards: list[Any]) -> Router:
+    return Router(path="/", route_handlers=[catalog, metrics], guards=guards)
+
+
+OPEN_HANDLERS = [ui]

@@ -1,0 +1,405 @@
+"""The legacy route shape: still loaded, converted to the pool shape, and migrated by ``iop config migrate``.
+
+Older configs route each model id to exactly one adapter instance and target::
+
+    openai:
+      model_routes:
+        - {model: llama3, adapter: ollama-local, target: "llama3:8b"}
+    nodes:
+      - id: n1
+        adapters:
+          ollama-local: {type: ollama, base_url: "http://127.0.0.1:11434", capacity: 2}
+
+Each route becomes a one-provider model group (``models[]``); each adapter instance becomes
+a provider of its node, whose id is the instance key, whose ``models`` gain the routes'
+targets it does not list, and whose category is derived from its type when not given.
+Both shapes may be mixed in one file.
+
+The converted config is checked by the ordinary :func:`dispatcher.config.validate`, so the
+rules exist once; a map from converted paths back to legacy paths puts each problem where
+the operator wrote the value. Only what needs the legacy view is checked here: routes naming
+no adapter, model ids defined twice, adapter keys that collide with other providers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import yaml
+
+from dispatcher.config import (
+    DEFAULT_CATEGORY,
+    Config,
+    ModelConfig,
+    NodeConfig,
+    ProviderConfig,
+    from_builtins_with_warnings,
+    parse_yaml,
+    problem_from_validation,
+    read_file,
+    validate,
+)
+from dispatcher.exceptions import ConfigProblem
+
+MIGRATE_HINT = "run 'iop config migrate'"
+
+
+class _Legacy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class LegacyRoute(_Legacy, frozen=True):
+    model: str
+    """The external model id."""
+    adapter: str
+    """The adapter instance key (a provider id also works, for half-migrated files)."""
+    target: str
+    """The served model name on that instance."""
+
+
+class LegacyOpenAI(_Legacy, frozen=True):
+    model_routes: list[LegacyRoute] = []
+
+
+class LegacyAdapter(_Legacy, frozen=True):
+    """An adapter instance's settings: a provider without ``id`` (its key is the id).
+
+    Unset fields stay ``UNSET`` so the provider gets :class:`ProviderConfig`'s own defaults
+    (no second copy of them to drift), while an explicit ``null`` is still a type error.
+    """
+
+    type: str
+    category: str | msgspec.UnsetType | None = msgspec.UNSET
+    capacity: int | msgspec.UnsetType = msgspec.UNSET
+    base_url: str | msgspec.UnsetType | None = msgspec.UNSET
+    api_key_env: str | msgspec.UnsetType | None = msgspec.UNSET
+    command: list[str] | msgspec.UnsetType | None = msgspec.UNSET
+    timeout_s: float | msgspec.UnsetType = msgspec.UNSET
+    models: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
+class LegacyParts(msgspec.Struct, frozen=True, kw_only=True):
+    """The legacy entries of one file, decoded; ``adapters`` is keyed by node index, then instance key."""
+
+    routes: list[LegacyRoute] = []
+    adapters: dict[int, dict[str, LegacyAdapter]] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.routes and not any(self.adapters.values())
+
+
+class Conversion(msgspec.Struct, frozen=True, kw_only=True):
+    """A config with its legacy entries converted to the pool shape."""
+
+    config: Config
+    problems: list[ConfigProblem]
+    """Every problem of the whole config, legacy entries at their legacy paths."""
+    warnings: list[str]
+    """One deprecation warning per legacy entry."""
+    changes: list[str]
+    """What the conversion did, one line each (the header of ``iop config migrate``)."""
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def split(raw: dict[str, Any]) -> tuple[dict[str, Any], LegacyParts, list[ConfigProblem]]:
+    """``raw`` without its legacy sections, those sections decoded, and their structural problems.
+
+    The legacy sections are decoded with their own structs so that wrong types and unknown
+    fields come out at legacy paths; ``raw`` itself is not modified.
+    """
+    core = dict(raw)
+    problems: list[ConfigProblem] = []
+    routes: list[LegacyRoute] = []
+    if "openai" in core:
+        try:
+            routes = msgspec.convert(core.pop("openai"), type=LegacyOpenAI).model_routes
+        except msgspec.ValidationError as exc:
+            problems.append(_at("$.openai", exc))
+    adapters: dict[int, dict[str, LegacyAdapter]] = {}
+    nodes = core.get("nodes")
+    if isinstance(nodes, list):
+        core_nodes: list[Any] = []
+        for ni, node in enumerate(nodes):
+            if isinstance(node, dict) and "adapters" in node:
+                node = dict(node)
+                adapters[ni] = _decode_adapters(f"$.nodes[{ni}].adapters", node.pop("adapters"), problems)
+            core_nodes.append(node)
+        core["nodes"] = core_nodes
+    return core, LegacyParts(routes=routes, adapters=adapters), problems
+
+
+def _decode_adapters(path: str, section: Any, problems: list[ConfigProblem]) -> dict[str, LegacyAdapter]:
+    try:
+        entries = msgspec.convert(section, type=dict[str, Any])
+    except msgspec.ValidationError as exc:
+        problems.append(_at(path, exc))
+        return {}
+    adapters: dict[str, LegacyAdapter] = {}
+    for key, value in entries.items():
+        # One instance at a time: a bad instance does not hide the problems of the next one.
+        try:
+            adapters[key] = msgspec.convert(value, type=LegacyAdapter)
+        except msgspec.ValidationError as exc:
+            problems.append(_at(adapter_path(path, key), exc))
+    return adapters
+
+
+def _at(prefix: str, exc: msgspec.ValidationError) -> ConfigProblem:
+    problem = problem_from_validation(exc)
+    return ConfigProblem(prefix + problem.path[1:], problem.message)
+
+
+def adapter_path(adapters_path: str, key: str) -> str:
+    return f"{adapters_path}.{key}" if key else f'{adapters_path}[""]'
+
+
+def provider_of(key: str, adapter: LegacyAdapter) -> ProviderConfig:
+    """The provider an adapter instance becomes (before the routes' targets are added)."""
+    fields = {name: getattr(adapter, name) for name in adapter.__struct_fields__}
+    settings = {name: value for name, value in fields.items() if value is not msgspec.UNSET}
+    provider = ProviderConfig(id=key, **settings)
+    if provider.category is None:
+        # Explicit, so the migrated file and the catalog show it; same value effective_category derives.
+        provider = msgspec.structs.replace(provider, category=DEFAULT_CATEGORY.get(provider.type))
+    return provider
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+class _PathMap:
+    """Paths in the converted config -> paths in the file: exact entries first, then longest prefix."""
+
+    def __init__(self) -> None:
+        self.exact: dict[str, str] = {}
+        self.prefixes: dict[str, str] = {}
+
+    def translate(self, path: str) -> str:
+        if path in self.exact:
+            return self.exact[path]
+        best = ""
+        for prefix in self.prefixes:
+            if len(prefix) > len(best) and path.startswith(prefix) and path[len(prefix):][:1] in ("", ".", "["):
+                best = prefix
+        return self.prefixes[best] + path[len(best):] if best else path
+
+
+class _Instance(msgspec.Struct, kw_only=True):
+    node: int
+    key: str
+    path: str
+    view_path: str
+    adapter: LegacyAdapter
+    provider: ProviderConfig
+    added: list[str]
+
+
+def convert(config: Config, parts: LegacyParts) -> Conversion:
+    """Convert the legacy entries of a decoded file and check the whole result.
+
+    Order is fixed so that loading a migrated file gives an equal :class:`Config`: routes
+    become models after ``models[]``, in route order; adapter instances become providers
+    after each node's ``providers[]``, in mapping order.
+    """
+    paths = _PathMap()
+    # Converted paths where validate() would report what a legacy check below reports better.
+    owned: set[str] = set()
+    problems: list[ConfigProblem] = []
+    warnings: list[str] = []
+    changes: list[str] = []
+    targets: list[str] = []
+
+    instances: list[_Instance] = []
+    for ni, node in enumerate(config.nodes):
+        for j, (key, adapter) in enumerate(parts.adapters.get(ni, {}).items()):
+            path = adapter_path(f"$.nodes[{ni}].adapters", key)
+            view_path = f"$.nodes[{ni}].providers[{len(node.providers) + j}]"
+            instances.append(_Instance(node=ni, key=key, path=path, view_path=view_path, adapter=adapter,
+                                       provider=provider_of(key, adapter), added=[]))
+            paths.prefixes[view_path] = path
+            paths.exact[f"{view_path}.id"] = path
+    by_key: dict[str, _Instance] = {}
+    for inst in instances:
+        by_key.setdefault(inst.key, inst)
+    new_providers = {p.id: f"$.nodes[{ni}].providers[{pi}]"
+                     for ni, node in enumerate(config.nodes) for pi, p in enumerate(node.providers)}
+
+    model_paths = {m.id: f"$.models[{mi}].id" for mi, m in reversed(list(enumerate(config.models)))}
+    routes: list[ModelConfig] = []
+    for ri, route in enumerate(parts.routes):
+        path = f"$.openai.model_routes[{ri}]"
+        view_path = f"$.models[{len(config.models) + ri}]"
+        routes.append(ModelConfig(id=route.model, providers={route.adapter: route.target}))
+        paths.prefixes[view_path] = path
+        paths.exact[f"{view_path}.id"] = f"{path}.model"
+        paths.exact[f"{view_path}.providers.{route.adapter}"] = f"{path}.target"
+        warnings.append(f"{path} ({route.model}): legacy route; use models[] (id {route.model!r}, providers "
+                        f"{{{route.adapter}: {route.target}}}) — {MIGRATE_HINT}")
+        changes.append(f"route {path} -> model group {route.model!r} ({view_path}) with providers "
+                       f"{{{route.adapter!r}: {route.target!r}}}")
+
+        if route.model in model_paths:
+            problems.append(ConfigProblem(f"{path}.model", f"duplicate model id {route.model!r} "
+                                                            f"(also defined at {model_paths[route.model]})"))
+            owned.add(f"{view_path}.id")
+        model_paths.setdefault(route.model, f"{path}.model")
+
+        owner = by_key.get(route.adapter)
+        if owner is not None:
+            if route.target not in owner.provider.models and route.target not in owner.added:
+                owner.added.append(route.target)
+                targets.append(f"target {route.target!r} added to the models of provider {owner.key!r} "
+                               f"(for route {path})")
+        elif route.adapter not in new_providers:
+            known = ", ".join(sorted(by_key)) or "none"
+            problems.append(ConfigProblem(f"{path}.adapter", f"no node defines adapter {route.adapter!r} "
+                                                              f"(adapter instances: {known})"))
+            owned.add(f"{view_path}.providers.{route.adapter}")
+
+    for inst in instances:
+        inst.provider = msgspec.structs.replace(inst.provider, models=[*inst.provider.models, *inst.added])
+        warnings.append(f"{inst.path}: legacy adapter instance; use nodes[{inst.node}].providers[] "
+                        f"(id {inst.key!r}) — {MIGRATE_HINT}")
+        how = "derived from the type" if inst.adapter.category in (None, msgspec.UNSET) else "as configured"
+        changes.append(f"adapter instance {inst.path} -> provider {inst.key!r} ({inst.view_path}), "
+                       f"type {inst.provider.type!r}, category {inst.provider.category!r} ({how})")
+    changes.extend(targets)
+    collisions, collided = _collisions(config, instances, owned)
+    problems.extend(collisions)
+    for ri, route in enumerate(parts.routes):
+        if route.adapter in collided:
+            # Which of the colliding definitions the route means is ambiguous: the collision says it all.
+            owned.add(f"$.models[{len(config.models) + ri}].providers.{route.adapter}")
+
+    nodes = [
+        msgspec.structs.replace(node, providers=[*node.providers, *(i.provider for i in instances if i.node == ni)])
+        if ni in parts.adapters else node
+        for ni, node in enumerate(config.nodes)
+    ]
+    converted = msgspec.structs.replace(config, models=[*config.models, *routes], nodes=nodes)
+    generic = [ConfigProblem(paths.translate(p.path), p.message) for p in validate(converted) if p.path not in owned]
+    return Conversion(config=converted, problems=generic + problems, warnings=warnings, changes=changes)
+
+
+def _collisions(config: Config, instances: list[_Instance], owned: set[str]) -> tuple[list[ConfigProblem], set[str]]:
+    """Provider ids shared by an adapter instance and another provider or instance, reported at the
+    instance's path; and the set of those ids.
+
+    validate() walks providers in converted order (each node's ``providers[]``, then its
+    instances) and reports every occurrence after the first; those it would report only
+    because of an instance are reported here instead, once, at the instance.
+    """
+    occurrences: dict[str, list[tuple[str, _Instance | None]]] = {}
+    for ni, node in enumerate(config.nodes):
+        for pi, prov in enumerate(node.providers):
+            occurrences.setdefault(prov.id, []).append((f"$.nodes[{ni}].providers[{pi}]", None))
+        for instance in instances:
+            if instance.node == ni:
+                occurrences.setdefault(instance.key, []).append((instance.view_path, instance))
+    problems: list[ConfigProblem] = []
+    collided: set[str] = set()
+    for pid, occs in occurrences.items():
+        if len(occs) < 2 or all(inst is None for _, inst in occs):
+            continue
+        collided.add(pid)
+        providers = [path for path, inst in occs if inst is None]
+        for n, (view_path, inst) in enumerate(occs):
+            if inst is None:
+                # A second provider[] entry is a plain duplicate that validate() still reports.
+                if view_path == providers[0] and n > 0:
+                    owned.add(f"{view_path}.id")
+                continue
+            owned.add(f"{view_path}.id")
+            if providers:
+                problems.append(ConfigProblem(inst.path, f"adapter instance {pid!r} has the id of the provider "
+                                                         f"at {providers[0]}; provider ids must be unique"))
+            elif n > 0:
+                first = occs[0][1]
+                assert first is not None
+                problems.append(ConfigProblem(inst.path, f"adapter instance {pid!r} is also defined at {first.path}; "
+                                                         "provider ids must be unique"))
+    return problems, collided
+
+
+# --------------------------------------------------------------------------- migration
+
+
+def migrate_file(path: str) -> str:
+    """:func:`migrate` of a file; a file that cannot be read is a ConfigError like a broken one."""
+    return migrate(read_file(path), source=path)
+
+
+def migrate(data: bytes | str, source: str = "the config") -> str:
+    """The pool-shape YAML equivalent to a (legacy, mixed or already new) config.
+
+    Raises ConfigError, problems at legacy paths, unless the whole file is valid: only a
+    config that loads is migrated. Sections other than the legacy ones are copied as
+    written (not expanded to defaults); comments of the original are not carried over.
+    """
+    raw = parse_yaml(data)
+    from_builtins_with_warnings(raw)  # every problem, before anything is written
+    raw = raw or {}
+    core, parts, _ = split(raw)
+    conversion = convert(msgspec.convert(core, type=Config), parts)
+
+    models = [*core.get("models", []), *({"id": r.model, "providers": {r.adapter: r.target}} for r in parts.routes)]
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("openai", "models"):
+            # models[] takes the place of whichever of the two came first.
+            if models and "models" not in out:
+                out["models"] = models
+        elif key == "nodes":
+            out[key] = [_migrated_node(node, conversion.config.nodes[ni]) for ni, node in enumerate(value)]
+        else:
+            out[key] = value
+
+    if parts.empty:
+        header = [f"# {source}: no legacy entries; nothing to migrate."]
+    else:
+        header = [
+            f"# Migrated by 'iop config migrate' from {source}: the legacy route shape",
+            "# (openai.model_routes, nodes[].adapters) is now the pool shape (models[], nodes[].providers[]).",
+            "# Routing is unchanged. Comments of the original file are not carried over.",
+            "# Changes (paths are those of the original file, then of this one):",
+            *(f"#   {change}" for change in conversion.changes),
+        ]
+    header = [_comment(line) for line in header]
+    body = yaml.safe_dump(out, sort_keys=False, allow_unicode=True, default_flow_style=None, width=120) if out else ""
+    return "\n".join(header) + "\n" + body
+
+
+def _comment(text: str) -> str:
+    # Ids and keys are free text: a line break in one would end the comment and inject YAML.
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def _migrated_node(node: dict[str, Any], converted: NodeConfig) -> dict[str, Any]:
+    if "adapters" not in node:
+        return node
+    adapters: dict[str, Any] = node["adapters"]
+    # convert() appended the instances, in mapping order, after the node's own providers.
+    instances = converted.providers[len(converted.providers) - len(adapters):]
+    new = [_provider_dict(key, adapter, prov) for (key, adapter), prov in zip(adapters.items(), instances, strict=True)]
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("providers", "adapters"):
+            # providers[] takes the place of whichever of the two came first.
+            if "providers" not in out:
+                out["providers"] = [*node.get("providers", []), *new]
+        else:
+            out[key] = value
+    return out
+
+
+def _provider_dict(key: str, adapter: dict[str, Any], provider: ProviderConfig) -> dict[str, Any]:
+    """The adapter's settings as written, plus what the conversion decided (id, category, models)."""
+    out: dict[str, Any] = {"id": key, "type": adapter["type"], "category": provider.category}
+    out.update((name, value) for name, value in adapter.items() if name not in ("type", "category", "models"))
+    if provider.models:
+        out["models"] = list(provider.models)
+    return out

@@ -1,0 +1,105 @@
+"""The operator surfaces of the API: /catalog, /metrics, /ui, and their keys."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from litestar.testing import AsyncTestClient
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from api.app import create_app
+from dispatcher import keys
+from iop.redis_server import RedisServer
+from tests.api.test_app import make_config
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, redis: Redis) -> AsyncIterator[AsyncTestClient[Any]]:
+    async with AsyncTestClient(create_app(make_config(redis_server.url))) as c:
+        yield c
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_catalog_json(client: AsyncTestClient[Any], redis: Redis) -> None:
+    await redis.hset(keys.provider("p"), mapping={"health": "available", "hb_ms": 1, "hb_exp": 10**15,
+                                                  "capacity": 1, "in_flight": 1})
+    doc = (await client.get("/catalog")).json()
+    (provider,) = doc["providers"]
+    assert provider["id"] == "p"
+    assert provider["health"] == "available"
+    assert provider["load_ratio"] == 1.0
+    assert provider["category"] == "local_inference"
+    assert [m["id"] for m in doc["models"]] == ["m", "org/model:tag"]
+
+
+async def test_metrics_parse_and_count_requests(client: AsyncTestClient[Any], redis: Redis) -> None:
+    # Outcomes without a worker: 404, 429 and a queue timeout (503).
+    await client.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+    await client.post("/v1/chat/completions", json={"model": "org/model:tag", "messages": []})
+    await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+    resp = await client.get("/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    values = samples(resp.text)
+
+    def count(model: str, status: str) -> float:
+        return values[("iop_requests_total", (("model", model), ("provider", ""), ("status", status)))]
+
+    # A model id outside the config is never a label value of its own.
+    assert count("_unknown", "404") == 1
+    assert count("org/model:tag", "429") == 1
+    assert count("m", "503") == 1
+    assert values[("iop_request_duration_seconds_count", (("model", "m"), ("provider", ""), ("status", "503")))] == 1
+    names = {name for name, _ in values}
+    for family in ("iop_provider_in_flight", "iop_provider_capacity", "iop_provider_available",
+                   "iop_provider_health", "iop_model_queued", "iop_model_oldest_wait_seconds"):
+        assert family in names, family
+    health = {labels: v for (name, labels), v in values.items() if name == "iop_provider_health"}
+    assert health[(("category", "local_inference"), ("health", "unknown"), ("node", "n"), ("provider", "p"),
+                   ("type", "vllm"))] == 1
+
+
+async def test_ui_page_is_served(client: AsyncTestClient[Any]) -> None:
+    resp = await client.get("/ui")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/html")
+    assert "iop catalog" in resp.text
+    assert 'fetch("catalog"' in resp.text
+
+
+async def test_admin_keys_guard_the_operator_surfaces(
+    redis_server: RedisServer, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "caller")
+    monkeypatch.setenv("IOP_TEST_ADMIN", "admin")
+    config = make_config(redis_server.url, api={"api_keys_env": "IOP_TEST_KEYS", "admin_keys_env": "IOP_TEST_ADMIN"})
+    async with AsyncTestClient(create_app(config)) as c:
+        for path in ("/catalog", "/metrics"):
+            assert (await c.get(path)).status_code == 401
+            assert (await c.get(path, headers={"authorization": "Bearer caller"})).status_code == 401
+            assert (await c.get(path, headers={"authorization": "Bearer admin"})).status_code == 200
+        # Admin keys are not caller keys either.
+        assert (await c.get("/v1/models", headers={"authorization": "Bearer admin"})).status_code == 401
+        # The page holds no data: it is open, and asks for a key when /catalog wants one.
+        assert (await c.get("/ui")).status_code == 200
+
+
+async def test_without_admin_keys_the_caller_keys_guard_them(
+    redis_server: RedisServer, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_KEYS", "caller")
+    async with AsyncTestClient(create_app(make_config(redis_server.url, api={"api_keys_env": "IOP_TEST_KEYS"}))) as c:
+        assert (await c.get("/catalog")).status_code == 401
+        assert (await c.get("/catalog", headers={"authorization": "Bearer caller"})).status_code == 200

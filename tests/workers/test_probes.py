@@ -1,0 +1,756 @@
+"""Health probes of every runtime (``workers/probes.py``) through the adapters that use them.
+
+HTTP types run against the project's fake provider (started in-process on a free port), a
+small aiohttp app imitating the runtimes that records what it was asked (paths, order,
+headers), and a raw socket server that accepts and never answers. ``cli`` runs real
+child processes (shell scripts written to ``tmp_path``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from aiohttp import web
+
+from dispatcher.config import HTTP_TYPES, ProviderConfig
+from iop.fake_provider import FakeOptions, start
+from iop.redis_server import free_port
+from workers import probes
+from workers.adapters.base import ProbeResult
+from workers.adapters.cli import ENV_PASSTHROUGH, CliAdapter
+from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
+from workers.probes import HTTP_PROBES
+
+pytestmark = pytest.mark.anyio
+
+HOST = "127.0.0.1"
+MODELS = ["served-model", "other-model"]
+# Generous bound for "this happens eventually" (never a performance threshold).
+EVENTUALLY_S = 10.0
+KEY_ENV = "IOP_TEST_PROBE_KEY"
+
+TYPES = ["vllm", "sglang", "lemonade", "ollama", "openai_api"]
+
+# What each runtime is asked, in order, on a healthy probe.
+EXPECTED_PATHS = {
+    "vllm": ["/health", "/v1/models"],
+    "sglang": ["/health", "/v1/models"],
+    "lemonade": ["/api/v1/health", "/api/v1/models"],
+    "ollama": ["/api/tags", "/api/ps"],
+    "openai_api": ["/v1/models"],
+}
+# The endpoint that lists the models (ollama: /api/tags, which is also its health check).
+MODELS_PATH = {
+    "vllm": "/v1/models",
+    "sglang": "/v1/models",
+    "lemonade": "/api/v1/models",
+    "ollama": "/api/tags",
+    "openai_api": "/v1/models",
+}
+
+
+def first_path(provider_type: str) -> str:
+    return EXPECTED_PATHS[provider_type][0]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def http_provider(provider_type: str, base_url: str, api_key_env: str | None = None) -> ProviderConfig:
+    return ProviderConfig(
+        id="p", type=provider_type, base_url=base_url, models=["configured"], api_key_env=api_key_env
+    )
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    s = new_session(4)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@dataclass
+class Fake:
+    options: FakeOptions
+    url: str
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Fake]:
+    options = FakeOptions(models=list(MODELS))
+    port = free_port()
+    runner = await start(HOST, port, options)
+    try:
+        yield Fake(options, f"http://{HOST}:{port}")
+    finally:
+        await runner.cleanup()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def openai_list(names: list[str]) -> dict[str, object]:
+    return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "x"} for n in names]}
+
+
+def ollama_list(names: list[str]) -> dict[str, object]:
+    return {"models": [{"name": n, "model": n, "size": 0} for n in names]}
+
+
+@dataclass
+class Runtime:
+    """An aiohttp app imitating every runtime's probe endpoints; records each request.
+
+    ``overrides`` replaces the answer of one path; ``release`` frees handlers that wait on it
+    (set before the server stops, so that shutting down never waits on a held request)."""
+
+    models: list[str] = field(default_factory=lambda: list(MODELS))
+    loaded: list[str] = field(default_factory=lambda: ["served-model"])
+    overrides: dict[str, Handler] = field(default_factory=dict)
+    seen: list[tuple[str, str, str | None]] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    @property
+    def paths(self) -> list[str]:
+        return [path for _, path, _ in self.seen]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((request.method, request.path, request.headers.get("Authorization")))
+        override = self.overrides.get(request.path)
+        if override is not None:
+            return await override(request)
+        path = request.path
+        if path in ("/health", "/health_generate"):
+            return web.Response()
+        if path == "/api/v1/health":
+            return web.json_response({"status": "ok", "model_loaded": self.models[0] if self.models else None})
+        if path in ("/v1/models", "/api/v1/models"):
+            return web.json_response(openai_list(self.models))
+        if path == "/api/tags":
+            return web.json_response(ollama_list(self.models))
+        if path == "/api/ps":
+            return web.json_response(ollama_list(self.loaded))
+        return web.json_response({"error": "not found"}, status=404)
+
+    async def hold(self, request: web.Request) -> web.StreamResponse:
+        """A handler that answers only once the test is over."""
+        await self.release.wait()
+        return web.Response(status=503)
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    port = free_port()
+    try:
+        await web.TCPSite(runner, HOST, port).start()
+        yield f"http://{HOST}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[Runtime]:
+    rt = Runtime()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rt.handle)
+    try:
+        async with serve(app) as url:
+            rt.url = url
+            try:
+                yield rt
+            finally:
+                rt.release.set()
+    finally:
+        rt.release.set()
+
+
+class SilentServer:
+    """Accepts connections, reads the request head, never answers (until the test ends)."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            self.heads.append(await reader.readuntil(b"\r\n\r\n"))
+            await reader.read()  # until the client goes away
+
+    async def __aenter__(self) -> SilentServer:
+        port = free_port()
+        self._server = await asyncio.start_server(self._handle, HOST, port)
+        self.url = f"http://{HOST}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        for writer in self._writers:
+            writer.close()
+        self._server.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._server.wait_closed(), 5)
+
+
+async def probe(provider_type: str, url: str, session: aiohttp.ClientSession, timeout_s: float = 5.0,
+                api_key_env: str | None = None) -> ProbeResult:
+    adapter = OpenAIHttpAdapter(http_provider(provider_type, url, api_key_env), session)
+    with anyio.fail_after(EVENTUALLY_S + timeout_s):
+        return await adapter.probe(timeout_s)
+
+
+# --------------------------------------------------------------------------- the module, the table
+
+
+def test_probes_module_imports_on_its_own() -> None:
+    # A fresh interpreter, so that no earlier import of workers.adapters hides the cycle.
+    proc = subprocess.run(
+        [sys.executable, "-c", "import workers.probes"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+
+
+def _table_rows() -> dict[str, list[str]]:
+    doc = probes.__doc__
+    assert doc
+    rows: dict[str, list[str]] = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and not set(cells[0]) <= set("-") and cells[0] != "type":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _paths(cell: str) -> list[str]:
+    return re.findall(r"``(?:GET )?(/[^`\s]*)``", cell)
+
+
+def test_docstring_table_matches_http_probes() -> None:
+    rows = _table_rows()
+    assert set(rows) == set(HTTP_PROBES) | {"cli"}
+    assert set(HTTP_PROBES) == set(HTTP_TYPES) == set(TYPES)
+    for provider_type, spec in HTTP_PROBES.items():
+        health, models, loaded = rows[provider_type]
+        # The health column names the health endpoint, or the model list when there is none.
+        assert _paths(health) == [spec.health_path or spec.models_path], provider_type
+        assert _paths(models) == [spec.models_path], provider_type
+        assert _paths(loaded) == ([spec.loaded_path] if spec.loaded_path else []), provider_type
+        if not spec.loaded_path:
+            assert loaded == "-", provider_type
+    # cli: no HTTP endpoints at all.
+    assert all(not _paths(cell) for cell in rows["cli"])
+
+
+def test_expected_paths_match_http_probes() -> None:
+    """The order the tests below expect is the table's: health, model list, loaded list."""
+    for provider_type, spec in HTTP_PROBES.items():
+        expected = [p for p in (spec.health_path, spec.models_path, spec.loaded_path) if p]
+        assert EXPECTED_PATHS[provider_type] == expected
+        assert MODELS_PATH[provider_type] == spec.models_path
+
+
+# --------------------------------------------------------------------------- HTTP: healthy
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_healthy_against_the_fake(provider_type: str, fake: Fake, session: aiohttp.ClientSession) -> None:
+    result = await probe(provider_type, fake.url, session)
+    loaded = list(MODELS) if provider_type == "ollama" else None  # the fake's /api/ps lists every model
+    assert result == ProbeResult(True, "", list(MODELS), loaded)
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_healthy_follows_the_reported_models(
+    provider_type: str, fake: Fake, session: aiohttp.ClientSession
+) -> None:
+    fake.options.models = []
+    assert await probe(provider_type, fake.url, session) == ProbeResult(
+        True, "", [], [] if provider_type == "ollama" else None
+    )
+    fake.options.models = ["a", "b", "c"]
+    result = await probe(provider_type, fake.url, session)
+    assert result.healthy, result.reason
+    assert result.models == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_endpoints_in_order(provider_type: str, runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    result = await probe(provider_type, runtime.url, session)
+    assert result.healthy, result.reason
+    assert runtime.seen == [("GET", p, None) for p in EXPECTED_PATHS[provider_type]]
+    assert result.models == MODELS
+
+
+async def test_ollama_loaded_comes_from_api_ps(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    runtime.models = ["a:latest", "b:7b"]
+    runtime.loaded = ["b:7b"]
+    result = await probe("ollama", runtime.url, session)
+    assert result == ProbeResult(True, "", ["a:latest", "b:7b"], ["b:7b"])
+    runtime.loaded = []
+    assert (await probe("ollama", runtime.url, session)).loaded == []
+
+
+async def test_ollama_names_fall_back_to_model_field(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    async def tags(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"models": [{"model": "only-model"}, {"name": "n", "model": "m"}, {"size": 1}]})
+
+    runtime.overrides["/api/tags"] = tags
+    result = await probe("ollama", runtime.url, session)
+    assert result.healthy, result.reason
+    assert result.models == ["only-model", "n"]
+
+
+@pytest.mark.parametrize("provider_type", ["vllm", "sglang", "lemonade", "openai_api"])
+async def test_openai_list_entries_without_id_are_skipped(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def listing(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [{"id": "a"}, {"name": "no-id"}, {"id": "b"}]})
+
+    runtime.overrides[MODELS_PATH[provider_type]] = listing
+    assert await probe(provider_type, runtime.url, session) == ProbeResult(True, "", ["a", "b"])
+
+
+# --------------------------------------------------------------------------- HTTP: unhealthy
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_unhealthy_fake(provider_type: str, fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.options.healthy = False
+    result = await probe(provider_type, fake.url, session)
+    assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered 503")
+    assert result.models is None
+    assert result.loaded is None
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_health_fine_model_list_garbage(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b'{"data": [1, 2', content_type="application/json")
+
+    path = MODELS_PATH[provider_type]
+    runtime.overrides[path] = garbage
+    result = await probe(provider_type, runtime.url, session)
+    assert not result.healthy
+    assert result.reason == f"GET {path} answered something that is not a model list"
+    assert "not a model list" in result.reason
+    assert result.models is None
+    # Nothing after the bad list was asked.
+    assert runtime.paths == EXPECTED_PATHS[provider_type][: EXPECTED_PATHS[provider_type].index(path) + 1]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not json", b"[1, 2]", b'{"data": 5}', b'{"data": [1, 2]}', b'{"data": null}',
+     b'{"models": 5}', b'{"models": ["x"]}', b'{"models": null}', b"null", b'"text"'],
+)
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_garbage_shapes_are_not_a_model_list(
+    provider_type: str, payload: bytes, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=payload, content_type="application/json")
+
+    path = MODELS_PATH[provider_type]
+    runtime.overrides[path] = garbage
+    result = await probe(provider_type, runtime.url, session)
+    # A shape of the *other* family (``models`` for an OpenAI list, ``data`` for Ollama) is
+    # valid JSON with the expected key missing: an empty list, not garbage.
+    other_family = (provider_type == "ollama" and payload.startswith(b'{"data"')) or (
+        provider_type != "ollama" and payload.startswith(b'{"models"')
+    )
+    if other_family:
+        assert result.healthy, result.reason
+        assert result.models == []
+    else:
+        assert result == ProbeResult(False, f"GET {path} answered something that is not a model list")
+
+
+async def test_ollama_api_ps_garbage(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b"<html>", content_type="text/html")
+
+    runtime.overrides["/api/ps"] = garbage
+    result = await probe("ollama", runtime.url, session)
+    assert result == ProbeResult(False, "GET /api/ps answered something that is not a model list")
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_model_list_error_status_names_the_model_path(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": "boom"}, status=500)
+
+    path = MODELS_PATH[provider_type]
+    runtime.overrides[path] = broken
+    result = await probe(provider_type, runtime.url, session)
+    assert result == ProbeResult(False, f"GET {path} answered 500")
+
+
+@pytest.mark.parametrize("provider_type", ["vllm", "sglang", "lemonade"])
+async def test_health_status_other_than_200_is_unhealthy(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def no_content(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=204)
+
+    runtime.overrides[first_path(provider_type)] = no_content
+    result = await probe(provider_type, runtime.url, session)
+    assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered 204")
+    assert runtime.paths == [first_path(provider_type)]  # the model list is not asked for
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_answer_too_large(
+    provider_type: str, fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(probes, "MAX_PROBE_BYTES", 64)
+    fake.options.models = [f"model-{i:04d}" for i in range(50)]
+    result = await probe(provider_type, fake.url, session)
+    assert not result.healthy
+    assert result.reason == f"GET {MODELS_PATH[provider_type]} answer too large"
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_model_list_sent_in_pieces(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    listing = ollama_list(MODELS) if provider_type == "ollama" else openai_list(MODELS)
+    raw = json.dumps(listing).encode()
+
+    async def in_pieces(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(raw[: len(raw) // 2])
+        await asyncio.sleep(0.2)
+        await response.write(raw[len(raw) // 2 :])
+        await response.write_eof()
+        return response
+
+    runtime.overrides[MODELS_PATH[provider_type]] = in_pieces
+    result = await probe(provider_type, runtime.url, session)
+    assert result.healthy, result.reason
+    assert result.models == MODELS
+
+
+# --------------------------------------------------------------------------- HTTP: timeouts, unreachable
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_timeout_of_a_silent_server(provider_type: str, session: aiohttp.ClientSession) -> None:
+    async with SilentServer() as server:
+        started = time.monotonic()
+        result = await probe(provider_type, server.url, session, timeout_s=0.5)
+        elapsed = time.monotonic() - started
+        heads = list(server.heads)
+    assert result == ProbeResult(False, f"GET {first_path(provider_type)} timed out after 0.5s")
+    assert "timed out" in result.reason
+    assert elapsed < EVENTUALLY_S
+    assert len(heads) == 1
+    assert heads[0].startswith(f"GET {first_path(provider_type)} HTTP/1.1\r\n".encode())
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_timeout_names_the_endpoint_that_hangs(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    # The last endpoint of each probe hangs, after the earlier ones answered.
+    last = EXPECTED_PATHS[provider_type][-1]
+    runtime.overrides[last] = runtime.hold
+    started = time.monotonic()
+    result = await probe(provider_type, runtime.url, session, timeout_s=0.5)
+    assert time.monotonic() - started < EVENTUALLY_S
+    assert result == ProbeResult(False, f"GET {last} timed out after 0.5s")
+    assert runtime.paths == EXPECTED_PATHS[provider_type]
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_unreachable(provider_type: str, session: aiohttp.ClientSession) -> None:
+    result = await probe(provider_type, f"http://{HOST}:{free_port()}", session)
+    assert not result.healthy
+    assert result.reason.startswith(f"GET {first_path(provider_type)} failed: ")
+    assert "failed" in result.reason
+    assert result.models is None
+    assert result.loaded is None
+
+
+# --------------------------------------------------------------------------- HTTP: keys, redirects
+
+
+async def test_openai_api_key_from_env_is_sent(
+    fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.options.api_key = "sk-probe"
+    monkeypatch.setenv(KEY_ENV, "sk-probe")
+    result = await probe("openai_api", fake.url, session, api_key_env=KEY_ENV)
+    assert result == ProbeResult(True, "", list(MODELS))
+
+
+async def test_openai_api_without_the_key_is_unhealthy(
+    fake: Fake, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.options.api_key = "sk-probe"
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    for env in (None, KEY_ENV):
+        result = await probe("openai_api", fake.url, session, api_key_env=env)
+        assert result == ProbeResult(False, "GET /v1/models answered 401")
+    monkeypatch.setenv(KEY_ENV, "sk-wrong")
+    result = await probe("openai_api", fake.url, session, api_key_env=KEY_ENV)
+    assert result == ProbeResult(False, "GET /v1/models answered 401")
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_the_key_header_goes_to_every_probe_endpoint(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-probe")
+    result = await probe(provider_type, runtime.url, session, api_key_env=KEY_ENV)
+    assert result.healthy, result.reason
+    assert runtime.seen == [("GET", p, "Bearer sk-probe") for p in EXPECTED_PATHS[provider_type]]
+
+
+@pytest.mark.parametrize("status", [301, 302, 307, 308])
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_redirects_are_not_followed(
+    provider_type: str, status: int, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def redirect(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=status, headers={"Location": runtime.url + request.path_qs})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", redirect)
+    async with serve(app) as url:
+        result = await probe(provider_type, url, session)
+    assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered {status}")
+    assert runtime.seen == []  # the redirect's target was never asked
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def cli_provider(command: list[str] | None, api_key_env: str | None = None) -> ProviderConfig:
+    return ProviderConfig(id="c", type="cli", command=command, models=["m"], api_key_env=api_key_env)
+
+
+async def cli_probe(command: list[str] | None, timeout_s: float = 5.0, api_key_env: str | None = None) -> ProbeResult:
+    with anyio.fail_after(EVENTUALLY_S + timeout_s):
+        return await CliAdapter(cli_provider(command, api_key_env)).probe(timeout_s)
+
+
+def executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie waiting for some other parent counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+async def gone_eventually(pid: int) -> bool:
+    deadline = time.monotonic() + EVENTUALLY_S
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def read_pid(path: Path) -> int:
+    return int(path.read_text().strip())
+
+
+def kill_quietly(*files: Path) -> None:
+    """Clean-up after a test: SIGKILL the process named in each file, and its group (each script
+    the probe starts leads a session of its own, so its pid is its group's id)."""
+    for f in files:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+            pid = read_pid(f)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_cli_an_executable_that_runs_is_healthy() -> None:
+    assert await cli_probe([sys.executable, "-c", "pass"]) == ProbeResult(True, "")
+
+
+async def test_cli_runs_argv0_with_version(tmp_path: Path) -> None:
+    out = tmp_path / "args"
+    tool = executable(tmp_path / "tool", f'#!/bin/sh\nprintf "%s\\n" "$@" > "{out}"\nexit 3\n')
+    # Later argv elements are not used; a non-zero exit of --version is not judged.
+    result = await cli_probe([str(tool), "--model", "{model}"])
+    assert result == ProbeResult(True, "")
+    assert out.read_text() == "--version\n"
+
+
+async def test_cli_missing_executable() -> None:
+    result = await cli_probe(["iop-no-such-tool-anywhere", "-x"])
+    assert result == ProbeResult(False, "executable 'iop-no-such-tool-anywhere' not found")
+    missing = "/nonexistent/iop/tool"
+    result = await cli_probe([missing])
+    assert not result.healthy
+    assert "not found" in result.reason
+
+
+async def test_cli_no_command() -> None:
+    for command in (None, []):
+        assert await cli_probe(command) == ProbeResult(False, "no command configured")
+
+
+async def test_cli_non_executable_file(tmp_path: Path) -> None:
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o644)
+    result = await cli_probe([str(tool)])
+    assert not result.healthy
+    assert str(tool) in result.reason
+    assert result.models is None
+
+
+async def test_cli_a_directory_is_not_an_executable(tmp_path: Path) -> None:
+    result = await cli_probe([str(tmp_path)])
+    assert not result.healthy
+
+
+async def test_cli_executable_that_cannot_be_run(tmp_path: Path) -> None:
+    tool = executable(tmp_path / "tool", "")
+    tool.write_bytes(b"\x7fELF\x00\x00garbage")
+    result = await cli_probe([str(tool)])
+    assert not result.healthy
+    assert result.reason.startswith(f"cannot run {str(tool)!r}")
+
+
+async def test_cli_hanging_version_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    tool = executable(tmp_path / "tool", f'#!/bin/sh\necho $$ > "{pid_file}.tmp"\nmv "{pid_file}.tmp" "{pid_file}"\n'
+                      "exec sleep 1000\n")
+    try:
+        started = time.monotonic()
+        result = await cli_probe([str(tool)], timeout_s=1.5)
+        assert time.monotonic() - started < EVENTUALLY_S
+        assert result == ProbeResult(False, f"{str(tool)!r} did not finish within 1.5s")
+        assert "did not finish" in result.reason
+        assert pid_file.exists(), "the script never started"
+        pid = read_pid(pid_file)
+        # Killed and reaped by the probe itself: nothing is left, not even a zombie.
+        assert await gone_eventually(pid), "still running after the probe"
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        kill_quietly(pid_file)
+
+
+async def test_cli_hanging_shell_itself_is_killed(tmp_path: Path) -> None:
+    # Not exec: the shell ($$) waits for its sleep child; the shell is what the probe started.
+    pid_file = tmp_path / "pid"
+    tool = executable(tmp_path / "tool", f'#!/bin/sh\necho $$ > "{pid_file}.tmp"\nmv "{pid_file}.tmp" "{pid_file}"\n'
+                      "sleep 1000\n")
+    try:
+        result = await cli_probe([str(tool)], timeout_s=1.5)
+        assert not result.healthy
+        assert "did not finish" in result.reason
+        assert await gone_eventually(read_pid(pid_file)), "still running after the probe"
+    finally:
+        kill_quietly(pid_file)
+
+
+async def test_cli_hanging_version_leaves_no_children(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    child_file = tmp_path / "child"
+    tool = executable(
+        tmp_path / "tool",
+        f'#!/bin/sh\nsleep 1000 &\necho $! > "{child_file}.tmp"\nmv "{child_file}.tmp" "{child_file}"\n'
+        f'echo $$ > "{pid_file}.tmp"\nmv "{pid_file}.tmp" "{pid_file}"\nwait\n',
+    )
+    try:
+        result = await cli_probe([str(tool)], timeout_s=1.5)
+        assert "did not finish" in result.reason
+        assert await gone_eventually(read_pid(pid_file)), "still running after the probe"
+        assert await gone_eventually(read_pid(child_file)), "still running after the probe"
+    finally:
+        kill_quietly(pid_file, child_file)
+
+
+async def test_cli_cancelled_probe_kills_its_child(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    tool = executable(tmp_path / "tool", f'#!/bin/sh\necho $$ > "{pid_file}.tmp"\nmv "{pid_file}.tmp" "{pid_file}"\n'
+                      "exec sleep 1000\n")
+    try:
+        with anyio.move_on_after(1.5) as scope:
+            await CliAdapter(cli_provider([str(tool)])).probe(60.0)
+        assert scope.cancelled_caught
+        assert pid_file.exists(), "the script never started"
+        assert await gone_eventually(read_pid(pid_file)), "still running after the probe"
+    finally:
+        kill_quietly(pid_file)
+
+
+async def test_cli_probe_gets_the_minimal_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "env.json"
+    tool = executable(
+        tmp_path / "tool",
+        f"#!{sys.executable}\nimport json, os\n"
+        f"open({str(out)!r}, 'w').write(json.dumps(dict(os.environ)))\n",
+    )
+    monkeypatch.setenv("IOP_TEST_PROBE_SECRET", "do-not-leak")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak-either")
+    monkeypatch.setenv(KEY_ENV, "sk-cli")
+    monkeypatch.setenv("PATH", os.environ.get("PATH", "") or "/usr/bin:/bin")
+
+    assert await cli_probe([str(tool)]) == ProbeResult(True, "")
+    env = msgspec.json.decode(out.read_bytes(), type=dict[str, str])
+    assert "IOP_TEST_PROBE_SECRET" not in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert KEY_ENV not in env  # not configured for this provider
+    assert env["PATH"] == os.environ["PATH"]
+    # Python itself may add LC_CTYPE (PEP 538 locale coercion) when no locale is given.
+    assert set(env) <= set(ENV_PASSTHROUGH) | {"LC_CTYPE"}
+    assert "do-not-leak" not in json.dumps(env)
+
+    # The provider's own key (its api_key_env) is the one extra variable it gets.
+    out.unlink()
+    assert await cli_probe([str(tool)], api_key_env=KEY_ENV) == ProbeResult(True, "")
+    env = msgspec.json.decode(out.read_bytes(), type=dict[str, str])
+    assert env[KEY_ENV] == "sk-cli"
+    assert "IOP_TEST_PROBE_SECRET" not in env
+    assert set(env) <= set(ENV_PASSTHROUGH) | {"LC_CTYPE", KEY_ENV}
