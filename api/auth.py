@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -34,10 +35,16 @@ class KeyGuard:
     def __init__(self, keys: list[bytes] | None) -> None:
         self.keys = keys
 
-    def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    # Async on purpose: Litestar runs a sync guard in a worker thread, which cost a fifth
+    # of the API's CPU per request. The request path calls check() itself instead: a
+    # guard also costs a copy of the route handler per call.
+    async def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        self.check(connection.headers)
+
+    def check(self, headers: Mapping[str, str]) -> None:
         if self.keys is None:
             return
-        header = connection.headers.get("authorization", "")
+        header = headers.get("authorization", "")
         scheme, _sep, token = header.partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
         # Compare against every key, whatever matches, so timing says nothing about which.

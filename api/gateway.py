@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from api.auth import KeyGuard, load_keys
 from api.metrics import RequestMetrics
 from api.replies import ReplyReader
 from dispatcher import keys
@@ -20,7 +21,7 @@ from dispatcher.config import Config
 from dispatcher.jobs import JobClient
 from dispatcher.plans import Plans
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import connect, server_warnings
+from dispatcher.redis_conn import connect, connect_fast, server_warnings
 from dispatcher.scripts import Scripts
 
 log = logging.getLogger("iop.api")
@@ -31,13 +32,15 @@ class Gateway:
         self.config = config
         self.replica_id = f"api-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.redis = connect(config.redis.url)
-        self.scripts = Scripts(self.redis)
+        self.fast = connect_fast(config.redis.url)
+        self.scripts = Scripts(self.redis, self.fast)
         self.plans = Plans(config)
         self.jobs = JobClient(self.redis, self.scripts, config, self.plans, self.replica_id)
-        self.replies = ReplyReader(self.redis, keys.reply(self.replica_id))
+        self.replies = ReplyReader(connect_fast(config.redis.url), keys.reply(self.replica_id))
         self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.replica_id)
         self.models = {m.id: m for m in config.models}
         self.metrics = RequestMetrics(set(self.models))
+        self.caller_keys = KeyGuard(load_keys(config.api.api_keys_env))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._closing = False
@@ -75,6 +78,8 @@ class Gateway:
             _, pending = await asyncio.wait(pending, timeout=0.5)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
+        await self.replies.conn.close()
+        await self.fast.close()
         await self.redis.aclose()
 
     async def ready(self) -> tuple[bool, str]:

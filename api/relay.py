@@ -41,6 +41,7 @@ from dispatcher.jobs import Submitted
 from dispatcher.jsonbody import parse_request, with_model
 
 DONE_FRAME = b"data: [DONE]\n\n"
+WATCH_AFTER_S = 0.05
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -131,6 +132,7 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
 
 
 async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock) -> Response[Any]:
+    gw.caller_keys.check(request.headers)
     body = await request.body()
     model_id, stream = parse_request(body)
     model = gw.models.get(model_id)
@@ -145,8 +147,9 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
     wait = JobWait(gw, job_id, model_id, waiter)
     handed_off = False
     # Until a stream response takes over (Litestar then listens itself), notice a caller
-    # that hangs up, so its job is cancelled and the provider stops generating.
-    watcher = asyncio.ensure_future(_watch_disconnect(request, waiter))
+    # that hangs up, so its job is cancelled and the provider stops generating. Most
+    # answers come sooner than WATCH_AFTER_S: only slower ones pay for the watching task.
+    watcher = asyncio.get_running_loop().call_later(WATCH_AFTER_S, _start_watching, request, waiter)
     try:
         try:
             submitted = await gw.jobs.submit(job_id, model, body, endpoint, stream)
@@ -160,7 +163,7 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
             )
         wait.waiting(submitted)
         first = await wait.next_event()
-        watcher.cancel()
+        _stop_watching(watcher, waiter)
         if isinstance(first, Chunks):  # only a Start can come before Chunks
             raise WorkerLost("The worker's stream began without its start")
         if first.meta is not None:
@@ -181,11 +184,22 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
     except ClientGone:
         raise JobCancelled("The client closed the connection") from None
     finally:
-        watcher.cancel()
+        _stop_watching(watcher, waiter)
         if not handed_off:
             gw.replies.unregister(job_id)
             if not wait.settled:
                 gw.spawn(wait.cancel())
+
+
+def _stop_watching(timer: asyncio.TimerHandle, waiter: Waiter) -> None:
+    timer.cancel()
+    if waiter.watcher is not None:
+        waiter.watcher.cancel()
+        waiter.watcher = None
+
+
+def _start_watching(request: Request[Any, Any, Any], waiter: Waiter) -> None:
+    waiter.watcher = asyncio.ensure_future(_watch_disconnect(request, waiter))
 
 
 async def _watch_disconnect(request: Request[Any, Any, Any], waiter: Waiter) -> None:

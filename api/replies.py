@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatcher import events
-from dispatcher.redis_conn import BLOCK_MS
+from dispatcher.fastredis import FastRedis
+from dispatcher.redis_conn import BLOCK_MS, blocking_timeout
 
 log = logging.getLogger("iop.api.replies")
 
@@ -29,10 +29,12 @@ _GONE = b""
 class Waiter:
     """The events of one job, in the order its worker wrote them."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_queue", "watcher")
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        # The task watching for the caller to hang up, once one was started.
+        self.watcher: asyncio.Future[None] | None = None
 
     def push(self, data: bytes) -> None:
         self._queue.put_nowait(data)
@@ -56,8 +58,9 @@ class Waiter:
 
 
 class ReplyReader:
-    def __init__(self, redis: Redis, reply_key: str) -> None:
-        self.redis = redis
+    def __init__(self, conn: FastRedis, reply_key: str) -> None:
+        # A connection of its own: XREAD BLOCK holds it until events come.
+        self.conn = conn
         self.key = reply_key
         self.waiters: dict[str, Waiter] = {}
         self.last_id: bytes = b"0-0"
@@ -75,13 +78,15 @@ class ReplyReader:
         delay = 0.05
         trim = False
         while True:
+            commands: list[tuple[str | bytes | int, ...]] = []
+            if trim:
+                # What was read is delivered: drop it in the same round trip as the next read.
+                commands.append(("XTRIM", self.key, "MINID", self.last_id))
+            commands.append(("XREAD", "COUNT", READ_BATCH, "BLOCK", BLOCK_MS, "STREAMS", self.key, self.last_id))
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    if trim:
-                        # What was read is delivered: drop it in the same round trip as the next read.
-                        pipe.xtrim(self.key, minid=self.last_id)
-                    pipe.xread({self.key: self.last_id}, count=READ_BATCH, block=BLOCK_MS)
-                    result = (await pipe.execute())[-1]
+                result = (await self.conn.execute_many(commands, reply_within=blocking_timeout(BLOCK_MS)))[-1]
+                if isinstance(result, ResponseError):
+                    raise result
                 self.connected = True
                 delay = 0.05
             except RedisError as exc:
@@ -94,6 +99,7 @@ class ReplyReader:
             for _stream, entries in result or []:
                 for entry_id, fields in entries:
                     self.last_id = entry_id
-                    waiter = self.waiters.get(fields[b"j"].decode())
+                    # Fields come as [b"j", job, b"e", event], the order the writers use.
+                    waiter = self.waiters.get(fields[1].decode())
                     if waiter is not None:
-                        waiter.push(fields[b"e"])
+                        waiter.push(fields[3])

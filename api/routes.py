@@ -53,14 +53,16 @@ def _model_card(gw: Gateway, model_id: str) -> dict[str, object]:
 
 
 @get("/models", summary="Models callable through this gateway")
-async def list_models(state: State) -> dict[str, object]:
+async def list_models(request: Request[Any, Any, State], state: State) -> dict[str, object]:
     gw = _gw(state)
+    gw.caller_keys.check(request.headers)
     return {"object": "list", "data": [_model_card(gw, m) for m in gw.models]}
 
 
 @get("/models/{model_id:path}", summary="One model")
-async def get_model(state: State, model_id: FromPath[str]) -> dict[str, object]:
+async def get_model(request: Request[Any, Any, State], state: State, model_id: FromPath[str]) -> dict[str, object]:
     gw = _gw(state)
+    gw.caller_keys.check(request.headers)
     model_id = model_id.lstrip("/")
     if model_id not in gw.models:
         raise ModelNotFound(model_id)
@@ -78,9 +80,6 @@ async def readyz(state: State) -> Response[dict[str, str]]:
     return Response({"status": "ready" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503)
 
 
-def v1_router(guards: list[object]) -> Router:
-    return Router(
-        path="/v1",
-        route_handlers=[chat_completions, completions, embeddings, list_models, get_model],
-        guards=guards,  # type: ignore[arg-type]
-    )
+def v1_router() -> Router:
+    # Caller keys are checked inside each handler (Gateway.caller_keys), not by a guard.
+    return Router(path="/v1", route_handlers=[chat_completions, completions, embeddings, list_models, get_model])

@@ -99,8 +99,9 @@ class Assignment(msgspec.Struct, frozen=True):
         return self.dispatched_ms - self.submitted_ms
 
     @classmethod
-    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Assignment:
-        f = fields
+    def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes] | list[bytes]) -> Assignment:
+        """From a node stream entry, its fields as a mapping or as the flat list Redis sends."""
+        f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
         return cls(
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
             job=f[b"j"].decode(),

@@ -7,6 +7,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
+from dispatcher.fastredis import FastRedis
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 # Longest server-side block of an XREAD/XREADGROUP; must stay below SOCKET_TIMEOUT_S.
@@ -32,6 +34,16 @@ def connect(url: str | None, *, max_connections: int = 256) -> Redis:
         timeout=SOCKET_TIMEOUT_S,
     )
     return Redis.from_pool(pool)
+
+
+def connect_fast(url: str | None) -> FastRedis:
+    """The lean client of the request path (``dispatcher.fastredis``)."""
+    return FastRedis(url or DEFAULT_URL, connect_timeout=1.0, command_timeout=SOCKET_TIMEOUT_S)
+
+
+def blocking_timeout(block_ms: int) -> float:
+    """How long to wait for a reply to a command that blocks ``block_ms`` on the server."""
+    return block_ms / 1000 + SOCKET_TIMEOUT_S
 
 
 async def server_warnings(redis: Redis) -> list[str]:

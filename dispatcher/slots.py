@@ -10,14 +10,18 @@ from redis.exceptions import ResponseError
 from dispatcher import keys
 from dispatcher.config import Config
 from dispatcher.events import Assignment
+from dispatcher.fastredis import FastRedis
 from dispatcher.jobs import REPLY_KEEP_MS
 from dispatcher.plans import Plans
 from dispatcher.scripts import Scripts
 
 
 class NodeSlots:
-    def __init__(self, redis: Redis, scripts: Scripts, config: Config, plans: Plans, node_id: str) -> None:
+    def __init__(
+        self, redis: Redis, scripts: Scripts, config: Config, plans: Plans, node_id: str, fast: FastRedis | None = None
+    ) -> None:
         self.redis = redis
+        self.fast = fast
         self.scripts = scripts
         self.config = config
         self.plans = plans
@@ -35,7 +39,10 @@ class NodeSlots:
 
     async def chunks(self, job: Assignment, event: bytes) -> None:
         """Later output of a streamed job: a plain append, ordered after ``emit``'s."""
-        await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
+        if self.fast is not None:
+            await self.fast.execute("XADD", keys.reply(job.replica), "*", "j", job.job, "e", event)
+        else:
+            await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
 
     async def finish(self, job: Assignment, event: bytes | None, *, requeue: bool = False) -> str:
         """Final event + release + ack; 'released', or 'stale' when the job was taken over.

@@ -45,7 +45,7 @@ from dispatcher.exceptions import (
 from dispatcher.jsonbody import with_model
 from dispatcher.plans import Plans
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import BLOCK_MS, connect, server_warnings
+from dispatcher.redis_conn import BLOCK_MS, blocking_timeout, connect, connect_fast, server_warnings
 from dispatcher.scripts import Scripts
 from dispatcher.slots import NodeSlots
 from workers.adapters.base import ENDPOINTS, Adapter, ProbeResult, ProviderCall
@@ -79,12 +79,14 @@ class Worker:
         self.node: NodeConfig = node
         self.worker_id = f"{node_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.redis = connect(config.redis.url)
-        self.scripts = Scripts(self.redis)
+        self.fast = connect_fast(config.redis.url)
+        # XREADGROUP BLOCK holds its connection until jobs come: a connection of its own.
+        self.stream_conn = connect_fast(config.redis.url)
+        self.scripts = Scripts(self.redis, self.fast)
         self.plans = Plans(config)
-        self.slots = NodeSlots(self.redis, self.scripts, config, self.plans, node_id)
+        self.slots = NodeSlots(self.redis, self.scripts, config, self.plans, node_id, self.fast)
         self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.worker_id)
         self.adapters: dict[str, Adapter] = {}
-        self.limiters: dict[str, anyio.CapacityLimiter] = {}
         # Redis hands a new entry to whichever consumer is blocked reading. A worker that
         # froze mid-read must stop being one well before its leases expire, or it would
         # swallow the very jobs the reaper hands out again.
@@ -108,7 +110,6 @@ class Worker:
         self._idle.set()
         self._consume_scope = anyio.CancelScope()
         self._providers_scope = anyio.CancelScope()
-        self.limiters = {p.id: anyio.CapacityLimiter(max(p.capacity, 1)) for p in self.node.providers}
         session = new_session(sum(p.capacity for p in self.node.providers))
         self.adapters = {p.id: make_adapter(p, session) for p in self.node.providers}
         try:
@@ -134,6 +135,8 @@ class Worker:
             for adapter in self.adapters.values():
                 await adapter.aclose()
             await session.close()
+            await self.stream_conn.close()
+            await self.fast.close()
             await self.redis.aclose()
         log.info("worker %s stopped", self.worker_id)
 
@@ -188,9 +191,10 @@ class Worker:
         with self._consume_scope:
             while not self.draining:
                 try:
-                    batch: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xreadgroup(  # type: ignore[assignment]
-                        keys.NODE_GROUP, self.worker_id, {self.slots.node_key: ">"},
-                        count=READ_BATCH, block=self._block_ms,
+                    batch: list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None = await self.stream_conn.execute(
+                        "XREADGROUP", "GROUP", keys.NODE_GROUP, self.worker_id, "COUNT", READ_BATCH,
+                        "BLOCK", self._block_ms, "STREAMS", self.slots.node_key, ">",
+                        reply_within=blocking_timeout(self._block_ms),
                     )
                     delay = 0.1
                 except RedisError as exc:
@@ -239,9 +243,10 @@ class Worker:
             )
         with running.scope:
             try:
-                async with self.limiters[job.provider]:
-                    call = ProviderCall(job.endpoint, with_model(job.body, job.target), job.target, job.stream)
-                    await adapter.call(call, sink)
+                # No local limiter: the slot accounting in Redis already bounds every worker
+                # of the node together, which a per-process one could not.
+                call = ProviderCall(job.endpoint, with_model(job.body, job.target), job.target, job.stream)
+                await adapter.call(call, sink)
                 return sink.final_event()
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of iop; each module runs with `python -m bench.<name>`."""

@@ -1,0 +1,189 @@
+"""A running iop for benchmarks: a private redis-server, fake providers, node workers and
+API processes, started as real processes, plus CPU, memory and Redis counters to read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from redis import Redis
+
+from iop.redis_server import RedisServer, die_with_parent, free_port
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live descendants, from /proc."""
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * PAGE_SIZE / 2**20
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class Stack:
+    """``with Stack(...) as s:`` starts everything; leaving stops it."""
+
+    fakes: dict[str, list[str]]  # fake name -> extra `iop fake-provider` args
+    capacity: int = 64
+    api_workers: int = 1
+    procs: list[Proc] = field(default_factory=list)
+    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="iop-bench-")))
+
+    def __post_init__(self) -> None:
+        self.redis_server = RedisServer()
+        self.ports = {name: free_port() for name in self.fakes}
+        self.api_port = free_port()
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
+
+    def fake_url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "queue": {"max_queue": 100_000, "queue_timeout_ms": 120_000},
+            "models": [{"id": "bench", "providers": {f"p-{name}": f"served-{name}" for name in self.fakes}}],
+            "nodes": [{"id": "n1", "providers": [
+                {"id": f"p-{name}", "type": "vllm", "base_url": self.fake_url(name), "capacity": self.capacity,
+                 "models": [f"served-{name}"]}
+                for name in self.fakes
+            ]}],
+        }
+
+    def __enter__(self) -> Stack:
+        self.redis_server.start()
+        self.redis = Redis.from_url(self.redis_server.url)
+        config_path = self.dir / "iop.yaml"
+        config_path.write_text(yaml.safe_dump(self.config()))
+        env = {**os.environ, "IOP_REDIS_URL": self.redis_server.url}
+        for name, args in self.fakes.items():
+            self._spawn(f"fake-{name}", ["fake-provider", "--port", str(self.ports[name]),
+                                         "--models", f"served-{name}", *args], env)
+            _wait_port(self.ports[name])
+        self._spawn("worker", ["worker", "--config", str(config_path), "--node", "n1", "--log-level", "warning"], env)
+        self._spawn("api", ["api", "--config", str(config_path), "--port", str(self.api_port),
+                            "--workers", str(self.api_workers), "--log-level", "warning"], env)
+        _wait_port(self.api_port)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = [self.redis.hget(f"{{iop}}:p:p-{name}", "health") for name in self.fakes]
+            if all(s == b"available" for s in states):
+                return self
+            time.sleep(0.05)
+        raise TimeoutError("providers did not become available")
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = (self.dir / f"{name}.log").open("wb")
+        popen = subprocess.Popen([sys.executable, "-m", "iop", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 preexec_fn=die_with_parent)
+        self.procs.append(Proc(name, popen))
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+        self.redis.close()
+        self.redis_server.close()
+
+    def pid(self, name: str) -> int:
+        return next(p.pid for p in self.procs if p.name == name)
+
+    def iop_pids(self) -> dict[str, int]:
+        """The processes that are iop itself (not the fakes): API, worker, Redis."""
+        assert self.redis_server.proc is not None
+        return {"api": self.pid("api"), "worker": self.pid("worker"), "redis": self.redis_server.proc.pid}
+
+    def cpu(self) -> dict[str, float]:
+        pids = {**self.iop_pids(), **{p.name: p.pid for p in self.procs if p.name.startswith("fake")}}
+        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    def commandstats(self) -> dict[str, int]:
+        info = self.redis.info("commandstats")
+        return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
+
+
+def _wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def write_section(name: str, command: str, table: str, notes: str = "") -> None:
+    """Replace the section ``name`` of docs/BENCHMARKS.md with fresh figures."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    stamp = time.strftime("%Y-%m-%d")
+    body = f"{begin}\nMeasured {stamp} with `{command}`:\n\n{table}\n{notes}{end}"
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        text = head + body + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + f"\n\n{body}\n"
+    path.write_text(text)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,94 @@
+"""Throughput with many clients, the CPU it costs, and Redis round trips per request.
+
+    python -m bench.throughput [--clients 32] [--seconds 10]
+
+One API process and one worker in front of one fast fake provider (capacity 64). For
+JSON answers and for 20-chunk streams: requests per second, CPU milliseconds per
+request of each iop process (API, worker, Redis: /proc utime+stime), and Redis
+commands per request from INFO commandstats.
+
+Round trips per request count what clients send on the request path: every EVALSHA,
+XREADGROUP, XREAD and XADD, less the XADDs scripts make themselves (one to the node
+stream per dispatch, one final event per request, one first-output event per stream).
+The XTRIM the reply reader sends with its next XREAD shares that write; commands that
+scripts run inside Redis are not round trips. ``--verbose`` prints every command's count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import aiohttp
+import uvloop
+
+from bench.stack import Stack, markdown_table, write_section
+
+COMMAND = "python -m bench.throughput"
+# What clients send on the request path; everything else in commandstats runs inside scripts
+# (or is the once-a-second background: heartbeats, the reaper) and is not a round trip.
+CLIENT_COMMANDS = ("evalsha", "eval", "xreadgroup", "xread", "xadd")
+
+
+async def load(url: str, stream: bool, clients: int, seconds: float) -> tuple[int, float]:
+    body = json.dumps({"model": "bench", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    done = 0
+    stop_at = 0.0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            async with session.post(url, data=body) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"status {resp.status}")
+            done += 1
+
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, headers={"Content-Type": "application/json"}) as session:
+        stop_at = time.perf_counter() + seconds
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        return done, time.perf_counter() - started
+
+
+async def main(clients: int, seconds: float, verbose: bool = False) -> str:
+    rows = []
+    with Stack({"a": ["--tokens", "20"]}) as stack:
+        url = f"{stack.api_url}/v1/chat/completions"
+        for stream in (False, True):
+            await load(url, stream, clients, min(2.0, seconds))  # warm-up
+            cpu0, cmd0 = stack.cpu(), stack.commandstats()
+            n, elapsed = await load(url, stream, clients, seconds)
+            cpu1, cmd1 = stack.cpu(), stack.commandstats()
+            per = {name: (cpu1[name] - cpu0[name]) * 1000 / n for name in cpu1}
+            calls = {name: cmd1.get(name, 0) - cmd0.get(name, 0) for name in cmd1}
+            script_xadds = n * (3 if stream else 2)
+            client_calls = sum(calls.get(c, 0) for c in CLIENT_COMMANDS) - script_xadds
+            iop_cpu = per["api"] + per["worker"] + per["redis"]
+            if verbose:
+                counts = {c: round(calls[c] / n, 3) for c in sorted(calls) if calls[c] > n // 100}
+                print("Redis commands per request:", counts)
+            rows.append([
+                "stream (20 chunks)" if stream else "JSON", f"{n / elapsed:,.0f}",
+                f"{per['api']:.3f}", f"{per['worker']:.3f}", f"{per['redis']:.3f}", f"{iop_cpu:.3f}",
+                f"{per['fake-a']:.3f}", f"{client_calls / n:.2f}",
+            ])
+    return markdown_table(["request", "req/s", "API CPU ms/req", "worker CPU ms/req", "Redis CPU ms/req",
+                           "iop CPU ms/req", "fake provider CPU ms/req", "Redis round trips/req"], rows)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--verbose", action="store_true", help="print every Redis command's calls per request")
+    args = parser.parse_args()
+    uvloop.install()
+    table = asyncio.run(main(args.clients, args.seconds, args.verbose))
+    print(table)
+    write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}", table,
+                  f"{args.clients} concurrent clients (keep-alive) for {args.seconds:g} s per row, one API process, "
+                  "one worker, one fake provider answering at once; the client runs on the same 2 cores.\n")

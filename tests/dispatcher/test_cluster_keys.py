@@ -1,0 +1,433 @@
+"""Cluster-safe keys (issue 6, item 3): every script touches only keys it was given in
+KEYS, and every key iop uses carries the one hash tag ``{iop}``.
+
+A scenario drives every script through the real callers (``JobClient``, ``NodeSlots``,
+``Reaper``) while a ``MONITOR`` connection of its own records every command the server
+runs. The script calls are sequential, so in the monitor stream the commands a script
+runs (client ``lua``) come right after its ``EVALSHA``. For each of those inner
+commands the server itself says which of its arguments are keys (``COMMAND GETKEYS``);
+each must be one of that ``EVALSHA``'s KEYS and start with ``{iop}:``. Afterwards every
+key left in Redis must start with ``{iop}:`` too. Runs on every available Redis.
+
+The monitor helpers here are shared with ``tests/e2e/test_scale.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import anyio
+import pytest
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from dispatcher import config as cfg
+from dispatcher import events, keys
+from dispatcher.events import Assignment, Meta, Start
+from dispatcher.reaper import Reaper
+from dispatcher.scripts import NAMES, Scripts
+from dispatcher.slots import NodeSlots
+from iop.redis_server import RedisServer
+from tests.dispatcher.test_scripts import Harness
+
+pytestmark = pytest.mark.anyio
+
+TAG = f"{keys.PREFIX}:"
+
+# --- the MONITOR stream ---------------------------------------------------------------------
+
+_LINE = re.compile(rb"^(\d+\.\d+) \[(\d+) ([^\]]+)\] (.*)$", re.S)
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("a"): b"\a", ord("b"): b"\b",
+            ord("\\"): b"\\", ord('"'): b'"'}
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One monitor line: who ran it ('lua' inside a script, else the client's address)."""
+
+    client: str
+    args: tuple[bytes, ...]
+
+    @property
+    def lua(self) -> bool:
+        return self.client == "lua"
+
+    @property
+    def name(self) -> str:
+        return self.args[0].decode().upper() if self.args else ""
+
+    def text(self, i: int) -> str:
+        return self.args[i].decode("utf-8", "replace")
+
+
+def parse_args(text: bytes) -> tuple[bytes, ...]:
+    """The arguments of a monitor line: each one quoted and escaped as ``sdscatrepr`` does."""
+    out: list[bytes] = []
+    i, n = 0, len(text)
+    while i < n:
+        if text[i] == ord(" "):
+            i += 1
+            continue
+        assert text[i] == ord('"'), text
+        i += 1
+        buf = bytearray()
+        while text[i] != ord('"'):
+            c = text[i]
+            if c == ord("\\"):
+                e = text[i + 1]
+                if e == ord("x"):
+                    buf.append(int(text[i + 2:i + 4], 16))
+                    i += 4
+                    continue
+                buf += _ESCAPES[e]
+                i += 2
+                continue
+            buf.append(c)
+            i += 1
+        out.append(bytes(buf))
+        i += 1
+    return tuple(out)
+
+
+def parse_line(raw: bytes | str) -> Command:
+    data = raw.encode() if isinstance(raw, str) else raw
+    m = _LINE.match(data)
+    assert m is not None, data
+    return Command(m.group(3).decode(), parse_args(m.group(4)))
+
+
+class MonitorRecorder(threading.Thread):
+    """Records the server's MONITOR output on a connection of its own, until ``stop``.
+
+    The thread only stores raw lines (parsing comes later), so it keeps up with a busy
+    server. ``stop`` is told the end by a marker ``ECHO`` that some client sends.
+    """
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.client = SyncRedis.from_url(url)
+        self.marker = f"iop-monitor-end-{uuid.uuid4().hex}".encode()
+        self.raw: list[bytes] = []
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.client.monitor() as mon:  # type: ignore[no-untyped-call]
+                self.ready.set()
+                while True:
+                    line = mon.connection.read_response()
+                    data = line.encode() if isinstance(line, str) else line
+                    if self.marker in data:
+                        return
+                    self.raw.append(data)
+        except BaseException as exc:  # surfaced by commands()
+            self.error = exc
+        finally:
+            self.ready.set()
+            self.client.close()
+
+    def begin(self) -> MonitorRecorder:
+        self.start()
+        assert self.ready.wait(10), "MONITOR did not start"
+        assert self.error is None, self.error
+        return self
+
+    def end(self, timeout: float = 60.0) -> list[Command]:
+        """After the marker was sent: wait for the thread, return every command in order."""
+        self.join(timeout)
+        assert not self.is_alive(), "the monitor never saw its end marker"
+        assert self.error is None, self.error
+        return [parse_line(r) for r in self.raw]
+
+
+@dataclass
+class ScriptCall:
+    """A top-level EVALSHA/EVAL and the commands it ran."""
+
+    sha: str
+    keys: tuple[str, ...]
+    inner: list[Command]
+
+
+def script_calls(commands: list[Command]) -> Iterator[ScriptCall]:
+    """Group the stream: each EVALSHA/EVAL of a client, then the ``lua`` commands after it."""
+    current: ScriptCall | None = None
+    for cmd in commands:
+        if cmd.lua:
+            assert current is not None, f"a script command with no script before it: {cmd}"
+            current.inner.append(cmd)
+            continue
+        if current is not None:
+            yield current
+            current = None
+        if cmd.name in ("EVALSHA", "EVAL"):
+            sha = cmd.text(1)
+            if cmd.name == "EVAL":
+                sha = hashlib.sha1(cmd.args[1]).hexdigest()
+            numkeys = int(cmd.args[2])
+            current = ScriptCall(sha, tuple(a.decode() for a in cmd.args[3:3 + numkeys]), [])
+    if current is not None:
+        yield current
+
+
+# Commands a script may run that take no keys (GETKEYS refuses them).
+KEYLESS = {"TIME", "PUBLISH"}
+
+
+async def command_keys(redis: Redis, cmd: Command) -> list[str] | None:
+    """The keys of a command, as the server sees them; None for a command without keys."""
+    try:
+        found = await redis.command_getkeys(*cmd.args)
+    except ResponseError as exc:
+        if "no key arguments" in str(exc) or "wrong number of arguments" in str(exc):
+            return None
+        raise
+    return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+
+
+# --- the scenario ------------------------------------------------------------------------------
+
+CONFIG = {
+    "queue": {"queue_timeout_ms": 60_000},
+    "nodes": [
+        {"id": "n1", "providers": [
+            {"id": "a", "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1,
+             "models": ["m1@a", "m3@a"]},
+            {"id": "b", "type": "vllm", "base_url": "http://127.0.0.1:2", "capacity": 2,
+             "models": ["m1@b", "m2@b"]},
+        ]},
+        {"id": "n2", "providers": [
+            {"id": "c", "type": "ollama", "base_url": "http://127.0.0.1:3", "capacity": 1,
+             "models": ["m1@c", "m2@c"]},
+        ]},
+    ],
+    "models": [
+        {"id": "m1", "providers": {"a": "m1@a", "b": "m1@b", "c": "m1@c"}},
+        {"id": "m2", "providers": {"b": "m2@b", "c": "m2@c"}},
+        {"id": "m3", "providers": {"a": "m3@a"}, "queue_timeout_ms": 50},
+    ],
+}
+
+
+class Scenario:
+    def __init__(self, redis: Redis) -> None:
+        self.config = cfg.from_builtins(CONFIG)
+        self.h = Harness(redis, self.config)
+        self.redis = redis
+        self.n1 = self.h.node
+        self.n2 = NodeSlots(redis, self.n1.scripts, self.config, self.n1.plans, "n2")
+        self.reaper = Reaper(redis, self.n1.scripts, self.config, self.n1.plans, "reaper-1")
+        self.outcomes: list[tuple[str, Any]] = []
+
+    def note(self, what: str, outcome: Any) -> Any:
+        self.outcomes.append((what, outcome))
+        return outcome
+
+    async def up(self, pid: str, health: str = "available") -> None:
+        node, prov = next((n, p) for n, p in self.config.providers() if p.id == pid)
+        slots = self.n1 if node.id == "n1" else self.n2
+        self.note(f"heartbeat {pid} {health}",
+                  await slots.heartbeat(pid, health, [("capacity", prov.capacity), ("node", node.id)]))
+
+    async def running(self) -> dict[str, Assignment]:
+        out: dict[str, Assignment] = {}
+        for node in ("n1", "n2"):
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await self.redis.xrange(keys.node(node)))
+            for eid, fields in entries:
+                a = Assignment.from_entry(eid, fields)
+                out[a.job] = a
+        return out
+
+    def slots_of(self, a: Assignment) -> NodeSlots:
+        return self.n1 if a.provider in ("a", "b") else self.n2
+
+    async def submit(self, model: str) -> tuple[str, str]:
+        job, status = await self.h.submit(model)
+        self.note(f"submit {model}", status)
+        return job, status
+
+    async def finish(self, job: str, **kw: Any) -> str:
+        a = (await self.running())[job]
+        return str(self.note(f"finish {job[:6]} {kw}", await self.slots_of(a).finish(a, b"final", **kw)))
+
+    async def expire_lease(self, job: str) -> None:
+        await self.redis.zadd(keys.LEASES, {job: 1})
+
+    async def run(self) -> None:
+        h, api = self.h, self.h.api
+        await Scripts(self.redis).load()
+        self.note("replica", await api.heartbeat())
+        await self.n1.ensure_group()
+        await self.n2.ensure_group()
+        for pid in ("a", "b", "c"):
+            await self.up(pid)
+
+        # submit: dispatched until every slot is taken, then queued.
+        jobs = [await self.submit("m1") for _ in range(5)]
+        assert [s for _, s in jobs] == ["dispatched"] * 4 + ["queued"]
+        waiting_m1 = jobs[4][0]
+        run = await self.running()
+        by_provider: dict[str, list[str]] = {}
+        for a in run.values():
+            by_provider.setdefault(a.provider, []).append(a.job)
+        assert sorted(len(v) for v in by_provider.values()) == [1, 1, 2]
+
+        # emit + renew.
+        on_a = by_provider["a"][0]
+        assert await self.n1.emit(run[on_a], events.encode(Start(Meta("a", "n1", "m1@a", 0), 200, [b"{}"]))) == "ok"
+        self.note("renew n1", await self.n1.renew([(j, run[j].fence) for j in by_provider["a"] + by_provider["b"]]))
+        self.note("renew n2", await self.n2.renew([(j, run[j].fence) for j in by_provider["c"]]))
+
+        # finish: release + pump hands the slot of b to the waiting m1 job.
+        assert await self.finish(by_provider["b"][0]) == "released"
+        assert waiting_m1 in await self.running()
+
+        # cancel of a waiting job: timeout before its deadline waits, the client's removes.
+        queued_m2, status = await self.submit("m2")
+        assert status == "queued"
+        assert self.note("cancel wait", (await api.cancel(queued_m2, "m2", "timeout")).outcome) == "wait"
+        assert self.note("cancel queued", (await api.cancel(queued_m2, "m2", "client")).outcome) == "removed"
+        assert self.note("cancel gone", (await api.cancel(queued_m2, "m2", "client")).outcome) == "gone"
+
+        # cancel of a running job: a timeout keeps it, the client's tells its node; then it
+        # finishes and the slot goes to a waiting m2 job.
+        waiting_m2, status = await self.submit("m2")
+        assert status == "queued"
+        on_c = by_provider["c"][0]
+        assert self.note("cancel running", (await api.cancel(on_c, "m1", "timeout")).outcome) == "running"
+        assert self.note("cancel client", (await api.cancel(on_c, "m1", "client")).outcome) == "cancelling"
+        assert self.note("renew cancelled", await self.n2.renew([(on_c, run[on_c].fence)])) == [(on_c, "cancelled")]
+        assert await self.finish(on_c) == "released"
+        assert waiting_m2 in await self.running()
+
+        # A job that expires in its queue: dropped by the next pump, then collected.
+        late, status = await self.submit("m3")
+        assert status == "queued"
+        await anyio.sleep(0.12)
+        assert await self.finish(on_a) == "released"  # pumps m1 and m3: m3's head expired
+        assert (await h.record(late)).state == "x"
+        assert self.note("cancel expired", (await api.cancel(late, "m3", "timeout")).outcome) == "expired"
+
+        # reap_lease: a lease without output is requeued (and dispatched again) ...
+        run = await self.running()
+        victim = next(j for j, a in run.items() if a.provider == "b")
+        await self.expire_lease(victim)
+        assert self.note("reap requeue", await self.reaper.reap_leases(await self.reaper.now_ms())) == {"requeued": 1}
+        # ... and one whose output reached its client fails.
+        run = await self.running()
+        streamed = run[victim]
+        assert streamed.attempt == 2
+        assert await self.slots_of(streamed).emit(streamed, b"start") == "ok"
+        await self.expire_lease(victim)
+        assert self.note("reap failed", await self.reaper.reap_leases(await self.reaper.now_ms())) == {"failed": 1}
+
+        # finish with requeue: a worker gives a job back unfinished.
+        run = await self.running()
+        givenup = next(iter(run))
+        assert await self.finish(givenup, requeue=True) == "requeued"
+
+        # reconcile: an in_flight out of step with the leases is corrected.
+        await h.set_in_flight("a", 1 - await h.in_flight("a"))
+        self.note("reconcile", await self.reaper.reconcile())
+        assert self.outcomes[-1][1], "reconcile corrected nothing"
+
+        # A provider that goes away, and comes back: its heartbeat pumps a waiting job.
+        for job, a in (await self.running()).items():
+            if a.provider == "c":
+                await self.finish(job)
+        await self.up("c", "unavailable")
+        for _ in range(3):
+            if (await self.submit("m2"))[1] == "queued":
+                break
+        await self.up("c")
+        assert self.outcomes[-1][1] == 1, self.outcomes[-4:]
+
+        # A dead replica: the reaper cancels its jobs (waiting and running ones).
+        extra, _ = await self.submit("m1")
+        await self.redis.zadd(keys.REPLICAS, {"rep1": 1})
+        self.note("reap replica", await self.reaper.reap_replicas(await self.reaper.now_ms()))
+        assert await h.record(extra) is None or (await h.record(extra)).state == "c"
+        # A full reaper round too (lock, leases, replicas, orphans, reconcile, consumers).
+        self.note("round", await self.reaper.run_once())
+
+        # Drain: finish whatever still runs; nothing may be held afterwards.
+        for job in list(await self.running()):
+            await self.finish(job)
+        for pid in ("a", "b", "c"):
+            assert await h.in_flight(pid) == 0, pid
+        assert await self.redis.zcard(keys.LEASES) == 0
+
+
+@pytest.fixture
+def monitored(any_redis_server: RedisServer, any_redis: Redis) -> Iterator[MonitorRecorder]:
+    recorder = MonitorRecorder(any_redis_server.url)
+    yield recorder
+    if recorder.is_alive():  # the test failed before ending it
+        SyncRedis.from_url(any_redis_server.url).echo(recorder.marker)
+        recorder.join(10)
+
+
+async def test_every_script_touches_only_its_keys_under_one_tag(any_redis: Redis, monitored: MonitorRecorder) -> None:
+    scenario = Scenario(any_redis)
+    shas = {getattr(Scripts(any_redis), name).sha: name for name in NAMES}
+    monitored.begin()
+    await scenario.run()
+    await any_redis.echo(monitored.marker)
+    commands = monitored.end()
+
+    calls = list(script_calls(commands))
+    seen: dict[str, int] = {}
+    checked = 0
+    for call in calls:
+        assert call.sha in shas, f"an unknown script ran: {call.sha}"
+        name = shas[call.sha]
+        seen[name] = seen.get(name, 0) + 1
+        for key in call.keys:
+            assert key.startswith(TAG), (name, key)
+        for inner in call.inner:
+            if inner.name in KEYLESS:
+                if inner.name == "PUBLISH":  # not a key, but under the tag all the same
+                    assert inner.text(1).startswith(TAG), (name, inner)
+                continue
+            touched = await command_keys(any_redis, inner)
+            assert touched, f"{name}: no keys for {inner}"
+            for key in touched:
+                assert key.startswith(TAG), (name, inner)
+                assert key in call.keys, f"{name} touched {key!r}, not in its KEYS {call.keys}: {inner}"
+                checked += 1
+    # Every script ran, and ran commands.
+    assert set(seen) == set(NAMES), (sorted(set(NAMES) - set(seen)), scenario.outcomes)
+    assert checked > 100
+
+    # The plain commands of the callers (reaper scans, test helpers) stay under the tag too.
+    for cmd in commands:
+        if cmd.lua or cmd.name in ("EVALSHA", "EVAL", "SCRIPT", "ECHO", "HELLO", "PING", "CLIENT", "FLUSHALL"):
+            continue
+        for key in await command_keys(any_redis, cmd) or []:
+            assert key.startswith(TAG), cmd
+
+    # Everything the scenario left behind is under the tag.
+    leftover = [k.decode() async for k in any_redis.scan_iter(count=1000)]
+    assert leftover, "the scenario created no keys?"
+    assert [k for k in leftover if not k.startswith(TAG)] == []
+
+
+def test_monitor_lines_parse_back_to_their_arguments() -> None:
+    raw = rb'1700000000.123456 [0 lua] "XADD" "{iop}:n:n1" "*" "b" "{\"a\": \"x y\"}\n\\\x01\xc3\xa9"'
+    cmd = parse_line(raw)
+    assert cmd.lua
+    assert cmd.args == (b"XADD", b"{iop}:n:n1", b"*", b"b", b'{"a": "x y"}\n\\\x01\xc3\xa9')
+    top = parse_line(b'1.5 [0 127.0.0.1:5555] "EVALSHA" "abc" "2" "k1" "k2" "v"')
+    assert not top.lua
+    assert top.client == "127.0.0.1:5555"
+    (call,) = script_calls([top, cmd])
+    assert call.keys == ("k1", "k2")
+    assert call.inner == [cmd]
