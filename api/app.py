@@ -14,6 +14,7 @@ from litestar.openapi import OpenAPIConfig
 from api.auth import KeyGuard, admin_keys
 from api.errors import HANDLERS
 from api.gateway import Gateway
+from api.openapi import document_requests
 from api.operator import OPEN_HANDLERS, operator_router
 from api.routes import healthz, readyz, v1_router
 from dispatcher import config as cfg
@@ -33,7 +34,7 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
             await gateway.close()
 
     admin_guard = KeyGuard(admin_keys(config.api.api_keys_env, config.api.admin_keys_env))
-    return Litestar(
+    app = Litestar(
         route_handlers=[v1_router(), operator_router([admin_guard]), *OPEN_HANDLERS, healthz, readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
@@ -42,3 +43,5 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
         openapi_config=OpenAPIConfig(title="iop", version="0.1.0"),
         logging_config=None,
     )
+    document_requests(app, [m.id for m in config.models])
+    return app

@@ -4,6 +4,7 @@ and the background loops that keep it registered and Redis tidy."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import secrets
@@ -41,9 +42,16 @@ class Gateway:
         self.models = {m.id: m for m in config.models}
         self.metrics = RequestMetrics(set(self.models))
         self.caller_keys = KeyGuard(load_keys(config.api.api_keys_env))
+        self.streams = 0  # streamed answers being relayed now (api.max_streams)
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Job ids: a random prefix per process and a counter, unique without a syscall each.
+        self._job_prefix = secrets.token_hex(8)
+        self._job_counter = itertools.count()
         self._loops: list[asyncio.Task[None]] = []
         self._closing = False
+
+    def next_job_id(self) -> str:
+        return f"{self._job_prefix}{next(self._job_counter):x}"
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` in the background, keeping a reference until it ends."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,11 +28,13 @@ from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
 from dispatcher.exceptions import (
     JobCancelled,
     ModelNotFound,
+    Overloaded,
     ProviderRejected,
     QueueFull,
     QueueTimeout,
     RedisUnavailable,
     RequestError,
+    RequestTimeout,
     WorkerLost,
     error_from_code,
 )
@@ -133,7 +134,11 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
 
 async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock) -> Response[Any]:
     gw.caller_keys.check(request.headers)
-    body = await request.body()
+    try:
+        async with asyncio.timeout(gw.config.api.body_timeout_s):
+            body = await request.body()
+    except TimeoutError:
+        raise RequestTimeout("The request body did not arrive in time") from None
     model_id, stream = parse_request(body)
     model = gw.models.get(model_id)
     if model is None:
@@ -141,8 +146,12 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
     clock.model = model_id
     if endpoint == "embeddings":
         stream = False
+    if stream:
+        if gw.streams >= gw.config.api.max_streams:
+            raise Overloaded(f"This API process already relays {gw.streams} streams; retry later")
+        gw.streams += 1
 
-    job_id = uuid.uuid4().hex
+    job_id = gw.next_job_id()
     waiter = gw.replies.register(job_id)
     wait = JobWait(gw, job_id, model_id, waiter)
     handed_off = False
@@ -186,6 +195,8 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
     finally:
         _stop_watching(watcher, waiter)
         if not handed_off:
+            if stream:
+                gw.streams -= 1
             gw.replies.unregister(job_id)
             if not wait.settled:
                 gw.spawn(wait.cancel())
@@ -238,6 +249,7 @@ async def _sse(wait: JobWait, first: Start | End, model_id: str, clock: RequestC
                 return
     finally:
         clock.done(status)
+        wait.gw.streams -= 1
         wait.gw.replies.unregister(wait.job_id)
         if not wait.settled:
             wait.gw.spawn(wait.cancel())

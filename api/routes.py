@@ -27,18 +27,18 @@ def _gw(state: State) -> Gateway:
 
 
 @post("/chat/completions", status_code=200, summary="Chat completion (JSON or SSE stream)")
-async def chat_completions(request: Request[Any, Any, State], state: State) -> Response[Any]:
-    return await relay(request, _gw(state), "chat/completions")
+async def chat_completions(request: Request[Any, Any, State]) -> Response[Any]:
+    return await relay(request, _gw(request.app.state), "chat/completions")
 
 
 @post("/completions", status_code=200, summary="Text completion (JSON or SSE stream)")
-async def completions(request: Request[Any, Any, State], state: State) -> Response[Any]:
-    return await relay(request, _gw(state), "completions")
+async def completions(request: Request[Any, Any, State]) -> Response[Any]:
+    return await relay(request, _gw(request.app.state), "completions")
 
 
 @post("/embeddings", status_code=200, summary="Embeddings")
-async def embeddings(request: Request[Any, Any, State], state: State) -> Response[Any]:
-    return await relay(request, _gw(state), "embeddings")
+async def embeddings(request: Request[Any, Any, State]) -> Response[Any]:
+    return await relay(request, _gw(request.app.state), "embeddings")
 
 
 def _model_card(gw: Gateway, model_id: str) -> dict[str, object]:

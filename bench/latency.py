@@ -1,6 +1,6 @@
 """Added latency: one client in series, the fake provider called directly and through iop.
 
-    python -m bench.latency [--requests 3000]
+    python -m bench.latency [--requests 1000] [--repeat 3]
 
 JSON answers and 20-chunk streams; p50/p99 of the whole answer and, for streams, of
 the time to the first byte of the body. "Added" is iop minus direct.
@@ -43,7 +43,7 @@ def ms(x: float) -> str:
     return f"{x * 1000:.2f}"
 
 
-async def main(requests: int) -> str:
+async def main(requests: int, repeat: int) -> str:
     rows = []
     with Stack({"a": ["--tokens", "20"]}) as stack:
         direct_url = f"{stack.fake_url('a')}/v1/chat/completions"
@@ -52,8 +52,14 @@ async def main(requests: int) -> str:
             warm = max(requests // 10, 50)
             await series(direct_url, "served-a", stream, warm)
             await series(iop_url, "bench", stream, warm)
-            d_total, d_first = await series(direct_url, "served-a", stream, requests)
-            i_total, i_first = await series(iop_url, "bench", stream, requests)
+            d_total, d_first, i_total, i_first = [], [], [], []
+            for _ in range(repeat):  # interleaved, so both see the same machine
+                total, first = await series(direct_url, "served-a", stream, requests)
+                d_total += total
+                d_first += first
+                total, first = await series(iop_url, "bench", stream, requests)
+                i_total += total
+                i_first += first
             kind = "stream (20 chunks)" if stream else "JSON"
             for what, direct, via in (("whole answer", d_total, i_total), ("first byte", d_first, i_first)):
                 if not stream and what == "first byte":
@@ -69,11 +75,12 @@ async def main(requests: int) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds of --requests each")
     args = parser.parse_args()
     uvloop.install()
-    table = asyncio.run(main(args.requests))
+    table = asyncio.run(main(args.requests, args.repeat))
     print(table)
-    write_section("latency", f"{COMMAND} --requests {args.requests}", table,
-                  f"One client in series, {args.requests} requests per row after a warm-up; the fake "
-                  "provider answers at once (20 tokens, no delay).\n")
+    write_section("latency", f"{COMMAND} --requests {args.requests} --repeat {args.repeat}", table,
+                  f"One client in series, {args.repeat} interleaved rounds of {args.requests} requests per row "
+                  "after a warm-up; the fake provider answers at once (20 tokens, no delay).\n")

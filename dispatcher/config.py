@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -55,6 +56,13 @@ class ApiConfig(_Base, frozen=True):
     # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
     admin_keys_env: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
+    # Request line and headers together; beyond, 431.
+    max_header_bytes: int = 16 * 1024
+    # A client must send its headers, and then its body, within these.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Streamed answers one API process relays at once; beyond, 503 server_overloaded.
+    max_streams: int = 4096
 
 
 class QueueConfig(_Base, frozen=True):
@@ -206,8 +214,9 @@ def validate(config: Config) -> list[ConfigProblem]:
         bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
     if config.queue.queue_timeout_ms <= 0:
         bad("$.queue.queue_timeout_ms", f"must be > 0, got {config.queue.queue_timeout_ms}")
-    if config.api.max_body_bytes <= 0:
-        bad("$.api.max_body_bytes", f"must be > 0, got {config.api.max_body_bytes}")
+    for name in ("max_body_bytes", "max_header_bytes", "header_timeout_s", "body_timeout_s", "max_streams"):
+        if getattr(config.api, name) <= 0:
+            bad(f"$.api.{name}", f"must be > 0, got {getattr(config.api, name)}")
     d = config.dispatch
     for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
                  "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
@@ -244,6 +253,34 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         yield ConfigProblem(f"{path}.command", "required for type 'cli' (an argv list)")
     for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
         yield ConfigProblem(path_, f"duplicate served name {name!r}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SECRET_ARG = re.compile(
+    r"(?i)(api[_-]?key|token|secret|passw(or)?d)\s*[=:]\s*\S|\bsk-[A-Za-z0-9_-]{16,}|\bbearer\s+\S"
+)
+
+
+def secrets_in_file(config: Config) -> list[str]:
+    """Warnings about secrets written into the file itself: they belong in the environment."""
+    found: list[str] = []
+    if config.redis.url and urlsplit(config.redis.url).password:
+        found.append("$.redis.url: holds a password; set the URL in IOP_REDIS_URL instead of the file")
+    for name in ("api_keys_env", "admin_keys_env"):
+        value = getattr(config.api, name)
+        if value and not _ENV_NAME.fullmatch(value):
+            found.append(f"$.api.{name}: looks like a key, not the name of an environment variable holding keys")
+    for ni, node in enumerate(config.nodes):
+        for pi, prov in enumerate(node.providers):
+            path = f"$.nodes[{ni}].providers[{pi}]"
+            if prov.base_url and urlsplit(prov.base_url).password:
+                found.append(f"{path}.base_url: holds a password; give the provider a key through api_key_env")
+            if prov.api_key_env and not _ENV_NAME.fullmatch(prov.api_key_env):
+                found.append(f"{path}.api_key_env: looks like a key, not the name of an environment variable")
+            for ai, arg in enumerate(prov.command or []):
+                if _SECRET_ARG.search(arg):
+                    found.append(f"{path}.command[{ai}]: looks like a secret; pass it through api_key_env")
+    return found
 
 
 def _duplicates(items: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
@@ -314,7 +351,7 @@ def from_builtins_with_warnings(raw: Any) -> tuple[Config, list[str]]:
     conversion = legacy.convert(config, parts)
     if conversion.problems:
         raise ConfigError(conversion.problems)
-    return _normalised(conversion.config), conversion.warnings
+    return _normalised(conversion.config), [*conversion.warnings, *secrets_in_file(conversion.config)]
 
 
 def load(path: str | Path) -> Config:

@@ -8,6 +8,7 @@ Hierarchy::
         ├── InvalidRequest          400 invalid_request_error (malformed JSON, no ``model`` …)
         ├── Unauthorized            401 invalid_api_key
         ├── ModelNotFound           404 model_not_found
+        ├── RequestTimeout          408 request_timeout (the body came too slowly)
         ├── BodyTooLarge            413 request_too_large
         ├── QueueFull               429 queue_full, with Retry-After
         ├── QueueTimeout            503 queue_timeout, with Retry-After
@@ -91,6 +92,12 @@ class ModelNotFound(RequestError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class RequestTimeout(RequestError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class BodyTooLarge(RequestError):

@@ -25,6 +25,9 @@ def parse_request(body: bytes) -> tuple[str, bool]:
         raise InvalidRequest("The request body must be a JSON object") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec stops at a fixed depth (about a thousand levels) instead of blowing the stack.
+        raise InvalidRequest("The request body is nested too deeply") from None
     raw_model = obj.get("model")
     if raw_model is None:
         raise InvalidRequest("You must provide a model parameter", param="model")
@@ -52,6 +55,6 @@ def with_model(body: bytes, model: str) -> bytes:
 def is_json_object(data: bytes) -> bool:
     try:
         _object.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return False
     return True

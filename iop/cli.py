@@ -44,7 +44,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _exit_with_problems(args.file, exc)
     if warnings:
-        print(f"{args.file}: {len(warnings)} deprecation warning(s)", file=sys.stderr)
+        print(f"{args.file}: {len(warnings)} warning(s)", file=sys.stderr)
         for warning in warnings:
             print(f"  {warning}", file=sys.stderr)
     providers = list(config.providers())
@@ -72,8 +72,8 @@ def cmd_config_migrate(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     from iop.serve import serve_api
 
-    _load(args.config)  # report config problems here, not in every server process
-    serve_api(args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
+    config = _load(args.config)  # report config problems here, not in every server process
+    serve_api(config, args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
     return 0
 
 

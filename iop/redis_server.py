@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -56,7 +57,11 @@ class RedisServer:
         appendonly: bool = False,
         data_dir: str | None = None,
         host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """``extra_args`` go to redis-server as they are (e.g. ``--requirepass``); with
+        ``tls`` (certificate file, key file) it listens with TLS only."""
         self.binary = binary or find_redis_server()
         self.host = host
         self.port = port or free_port(host)
@@ -64,19 +69,26 @@ class RedisServer:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="iop-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.extra_args = list(extra_args or [])
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
 
     def version(self) -> str:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
         return out.split("v=", 1)[1].split()[0] if "v=" in out else out.strip()
 
     def start(self, timeout: float = 10.0) -> None:
+        listen = ["--port", str(self.port)]
+        if self.tls:
+            cert, key = self.tls
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                      "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
         args = [
             self.binary,
-            "--port", str(self.port),
+            *listen,
             "--bind", self.host,
             "--dir", self.data_dir,
             "--save", "",
@@ -85,6 +97,7 @@ class RedisServer:
             "--maxmemory-policy", "noeviction",
             "--protected-mode", "no",
             "--logfile", os.path.join(self.data_dir, "redis.log"),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
@@ -100,9 +113,16 @@ class RedisServer:
 
     def _answers_ping(self) -> bool:
         try:
-            with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
+            with socket.create_connection((self.host, self.port), timeout=0.2) as raw:
+                sock = raw
+                if self.tls:
+                    context = ssl.create_default_context()
+                    context.check_hostname = False
+                    context.verify_mode = ssl.CERT_NONE
+                    sock = context.wrap_socket(raw)
                 sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                # A server that wants a password answers too: it is up.
+                return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

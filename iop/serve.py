@@ -18,10 +18,15 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def serve_api(config_path: str, *, host: str, port: int, workers: int, log_level: str) -> None:
+def serve_api(config: Config, config_path: str, *, host: str, port: int, workers: int, log_level: str) -> None:
     configure_logging(log_level)
-    # Server processes (one or many) build the app from this file.
+    # Server processes (one or many) build the app from this file, and read the HTTP
+    # limits from the environment (api.http_protocol) before they import the protocol.
     os.environ["IOP_CONFIG"] = os.path.abspath(config_path)
+    os.environ["IOP_MAX_HEADER_BYTES"] = str(config.api.max_header_bytes)
+    os.environ["IOP_HEADER_TIMEOUT_S"] = str(config.api.header_timeout_s)
+    from api.http_protocol import LimitedHttpToolsProtocol
+
     with _metrics_dir(workers):
         uvicorn.run(
             "api.app:create_app",
@@ -30,7 +35,7 @@ def serve_api(config_path: str, *, host: str, port: int, workers: int, log_level
             port=port,
             workers=workers if workers > 1 else None,
             loop="uvloop",
-            http="httptools",
+            http=LimitedHttpToolsProtocol,
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=10,

@@ -779,3 +779,40 @@ def test_provider_defaults() -> None:
     assert loaded.timeout_s == 600.0
     assert loaded.api_key_env is None
     assert loaded.command is None
+
+
+# --------------------------------------------------------------------------- secrets in the file
+
+
+def test_secrets_written_into_the_file_are_warned_about() -> None:
+    raw = base()
+    raw["redis"] = {"url": "redis://iop:hunter2@10.0.0.9:6379/0"}
+    raw["api"]["api_keys_env"] = "sk-live-0123456789abcdefghij"
+    provider(raw)["base_url"] = "http://admin:pw@10.0.0.5:8000"
+    provider(raw)["api_key_env"] = "not a variable name"
+    _, warnings = cfg.from_builtins_with_warnings(raw)
+    assert "$.redis.url: holds a password" in warnings[0]
+    assert any(w.startswith("$.api.api_keys_env: looks like a key") for w in warnings)
+    assert any(w.startswith("$.nodes[0].providers[0].base_url: holds a password") for w in warnings)
+    assert any(w.startswith("$.nodes[0].providers[0].api_key_env: looks like a key") for w in warnings)
+    # None of them quotes the secret itself.
+    assert not any("hunter2" in w or "0123456789" in w for w in warnings)
+
+
+def test_secret_looking_cli_arguments_are_warned_about() -> None:
+    raw = base()
+    raw["nodes"][0]["providers"].append({"id": "tool", "type": "cli", "models": ["t"],
+                                         "command": ["llm", "--api-key=abc123", "--model", "{model}"]})
+    _, warnings = cfg.from_builtins_with_warnings(raw)
+    assert warnings == ["$.nodes[0].providers[1].command[1]: looks like a secret; pass it through api_key_env"]
+
+
+def test_a_clean_file_has_no_secret_warnings() -> None:
+    assert cfg.from_builtins_with_warnings(base())[1] == []
+
+
+def test_the_environment_url_is_not_the_files_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_REDIS_URL", "redis://iop:hunter2@10.0.0.9:6379/0")
+    config, warnings = cfg.from_builtins_with_warnings(base())
+    assert config.redis.url == "redis://iop:hunter2@10.0.0.9:6379/0"
+    assert warnings == []

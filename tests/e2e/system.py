@@ -194,6 +194,12 @@ class System:
     def logs(self) -> str:
         return "\n".join(f"----- {p.name} -----\n{p.log()[-4000:]}" for p in self.procs)
 
+    def __enter__(self) -> System:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.signal(signal.SIGTERM)

@@ -22,14 +22,12 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
         "nodes": [{"id": "n1", "providers": [
             http_provider("p", "vllm", sys_.port("f"), 2, ["served"], timeout_s=1.0)]}],
     })
-    try:
+    with sys_:
         sys_.fake("f", "--models", "served", "--tokens", "3")
         sys_.worker("n1")
         sys_.api()
         sys_.wait_available("p")
         yield sys_
-    finally:
-        sys_.close()
 
 
 @pytest.fixture

@@ -432,7 +432,7 @@ def test_check_prints_deprecation_warnings_to_stderr(tmp_path: Path, capsys: pyt
     assert out.startswith(f"{path}: OK - 3 model(s), 1 node(s), 1 provider(s), total capacity 3")
     assert "legacy route" not in out
     lines = err.splitlines()
-    assert lines[0] == f"{path}: 4 deprecation warning(s)"
+    assert lines[0] == f"{path}: 4 warning(s)"
     expected = [
         "$.openai.model_routes[0] (llama3): legacy route",
         "$.openai.model_routes[1] (qwen3.6:35b): legacy route",

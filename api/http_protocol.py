@@ -1,0 +1,101 @@
+"""uvicorn's httptools protocol, with the two limits it lacks.
+
+* **Header size.** httptools buffers a request's headers without bound; a client could
+  send megabytes of them. Here the request line and headers together may take at most
+  ``IOP_MAX_HEADER_BYTES`` (set from ``api.max_header_bytes`` by ``iop api``); past that
+  the client gets ``431`` and the connection closes.
+* **Slow headers.** A client that opens a connection and trickles its headers ties up
+  a connection for as long as it likes (slowloris). The headers must be complete within
+  ``IOP_HEADER_TIMEOUT_S``, else the client gets ``408`` and the connection closes.
+
+The body is bounded by ``api.max_body_bytes`` (Litestar) and its arrival by
+``api.body_timeout_s`` (``api.relay``); idle keep-alive connections by uvicorn's own
+``timeout_keep_alive``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+_END_OF_HEAD = b"\r\n\r\n"
+
+
+def _reply_and_close(transport: asyncio.Transport, status: bytes, message: bytes) -> None:
+    transport.write(
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: " + str(len(message)).encode() + b"\r\n\r\n" + message
+    )
+    transport.close()
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    max_head_bytes = int(os.environ.get("IOP_MAX_HEADER_BYTES", DEFAULT_MAX_HEADER_BYTES))
+    head_timeout_s = float(os.environ.get("IOP_HEADER_TIMEOUT_S", DEFAULT_HEADER_TIMEOUT_S))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            end = data.find(_END_OF_HEAD)
+            self._head_bytes += len(data) if end < 0 else end
+            if self._head_bytes > self.max_head_bytes:
+                self._disarm_head_timer()
+                _reply_and_close(self.transport, b"431 Request Header Fields Too Large",
+                                 b'{"error": {"message": "Request headers too large", "type": '
+                                 b'"invalid_request_error", "param": null, "code": "headers_too_large"}}')
+                return
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # The next request on this connection starts its own head.
+        self._in_head = True
+        self._head_bytes = 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self._head_bytes:
+            _reply_and_close(self.transport, b"408 Request Timeout",
+                             b'{"error": {"message": "Request headers too slow", "type": '
+                             b'"invalid_request_error", "param": null, "code": "request_timeout"}}')
+        else:
+            self.transport.close()  # a connection that never sent a request

@@ -1,0 +1,60 @@
+"""Hypothesis against the config loader: whatever the file holds, the answer is a Config
+or a ConfigError whose problems each carry a path -- never a crash."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dispatcher import config as cfg
+from dispatcher.exceptions import ConfigError
+
+scalars = st.none() | st.booleans() | st.integers(-10, 10**12) | st.floats(allow_nan=False) | st.text(max_size=20)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12),
+                                                                                          inner, max_size=4),
+                      max_leaves=20)
+KNOWN_KEYS = ["models", "nodes", "redis", "api", "queue", "dispatch", "demo", "openai", "id", "providers", "type",
+              "category", "capacity", "base_url", "command", "models", "model_routes", "adapter", "target",
+              "adapters", "max_queue", "queue_timeout_ms", "url", "timeout_s", "api_key_env"]
+# Mostly the shape of a config, with anything in its values: reaches deeper than random dicts.
+config_like = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KNOWN_KEYS), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+def check(raw: Any) -> None:
+    try:
+        config = cfg.from_builtins(raw)
+    except ConfigError as exc:
+        assert exc.problems
+        for problem in exc.problems:
+            assert problem.path.startswith("$"), problem
+            assert problem.message
+    else:
+        assert isinstance(config, cfg.Config)
+        assert cfg.validate(config) == []
+
+
+@given(values)
+@settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
+def test_any_document(raw: Any) -> None:
+    check(raw)
+
+
+@given(st.dictionaries(st.sampled_from(KNOWN_KEYS), config_like, max_size=6))
+@settings(max_examples=500, suppress_health_check=list(HealthCheck), deadline=None)
+def test_config_shaped_documents(raw: Any) -> None:
+    check(raw)
+
+
+@given(st.text(max_size=300))
+@settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
+def test_any_yaml_text(text: str) -> None:
+    try:
+        cfg.decode(text)
+    except ConfigError as exc:
+        assert all(p.path.startswith("$") for p in exc.problems)
