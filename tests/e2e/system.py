@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,27 @@ class System:
         for proc in reversed(self.procs):
             proc.stop(timeout=15)
         self.redis.close()
+
+
+class InFlightSampler(threading.Thread):
+    """Reads the in_flight of some providers from Redis in a tight loop; one script per
+    sample, so every sample is one instant."""
+
+    def __init__(self, system: System, providers: list[str], pause_s: float = 0.001) -> None:
+        super().__init__(daemon=True)
+        self.redis = system.redis
+        self.providers = providers
+        self.pause_s = pause_s
+        self.samples: list[dict[str, int]] = []
+        self.stop_flag = threading.Event()
+
+    def run(self) -> None:
+        script = "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'in_flight') end return out"
+        provider_keys = [keys.provider(p) for p in self.providers]
+        while not self.stop_flag.is_set():
+            values = self.redis.eval(script, len(provider_keys), *provider_keys)
+            self.samples.append({p: int(v or 0) for p, v in zip(self.providers, values, strict=True)})
+            time.sleep(self.pause_s)
 
 
 def _wait_port(port: int, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:

@@ -5,8 +5,6 @@ providers count what they really received at once."""
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -16,7 +14,7 @@ import pytest
 
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.e2e.system import System, http_provider
+from tests.e2e.system import InFlightSampler, System, http_provider
 
 pytestmark = pytest.mark.anyio
 
@@ -55,27 +53,8 @@ def system(tmp_path: object, redis_server: RedisServer) -> Iterator[System]:
         sys_.close()
 
 
-class Sampler(threading.Thread):
-    """Reads every provider's in_flight from Redis in a tight loop."""
-
-    def __init__(self, system: System) -> None:
-        super().__init__(daemon=True)
-        self.system = system
-        self.samples: list[dict[str, int]] = []
-        self.stop_flag = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_flag.is_set():
-            values = self.system.redis.eval(
-                "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'in_flight') end return out",
-                len(CAPACITY), *[keys.provider(p) for p in CAPACITY],
-            )
-            self.samples.append({p: int(v or 0) for p, v in zip(CAPACITY, values, strict=True)})
-            time.sleep(0.002)
-
-
 async def test_in_flight_stays_within_capacity_and_every_request_gets_one_answer(system: System) -> None:
-    sampler = Sampler(system)
+    sampler = InFlightSampler(system, list(CAPACITY))
     sampler.start()
     answers: Counter[str] = Counter()
     providers: Counter[str] = Counter()

@@ -50,8 +50,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,7 +61,7 @@ import pytest
 from dispatcher import keys
 from iop.redis_server import RedisServer
 from tests.dispatcher.test_cluster_keys import Command, MonitorRecorder
-from tests.e2e.system import System, http_provider
+from tests.e2e.system import InFlightSampler, System, http_provider
 
 pytestmark = pytest.mark.anyio
 
@@ -106,25 +104,6 @@ def system(tmp_path: object, redis_server: RedisServer) -> Iterator[System]:
         yield sys_
     finally:
         sys_.close()
-
-
-class Sampler(threading.Thread):
-    """Reads every provider's in_flight from Redis in a tight loop (one script: one instant)."""
-
-    def __init__(self, system: System) -> None:
-        super().__init__(daemon=True)
-        self.system = system
-        self.samples: list[dict[str, int]] = []
-        self.stop_flag = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_flag.is_set():
-            values = self.system.redis.eval(
-                "local out = {} for i, k in ipairs(KEYS) do out[i] = redis.call('HGET', k, 'in_flight') end return out",
-                len(CAPACITY), *[keys.provider(p) for p in CAPACITY],
-            )
-            self.samples.append({p: int(v or 0) for p, v in zip(CAPACITY, values, strict=True)})
-            time.sleep(0.001)
 
 
 # --- replaying the monitor stream -------------------------------------------------------------
@@ -267,7 +246,7 @@ async def test_three_apis_two_nodes_fifo_and_lowest_ratio_split(system: System) 
     # recorded before this read changes nothing the load's dispatches see.
     initial = {p: system.provider(p) for p in CAPACITY}
     assert all(int(h["in_flight"]) == 0 for h in initial.values()), initial
-    sampler = Sampler(system)
+    sampler = InFlightSampler(system, list(CAPACITY))
     sampler.start()
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
