@@ -58,6 +58,7 @@ class JobWait:
         self.settled = False
         self._queued_until: float | None = None
         self._suspect = False
+        self._redis_down_since: float | None = None
 
     def waiting(self, submitted: Submitted) -> None:
         if submitted.status == "queued":
@@ -77,8 +78,16 @@ class JobWait:
                     await self._deadline_passed()
                 else:
                     await self._watchdog()
+                self._redis_down_since = None
             except RedisError as exc:
-                raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+                # A Redis restart must not fail a dispatched job that will still be answered:
+                # the watchdog tolerates an outage of two lease periods before giving up.
+                if self._queued_until is not None:
+                    raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+                if self._redis_down_since is None:
+                    self._redis_down_since = _now()
+                elif _now() - self._redis_down_since > 2 * watch:
+                    raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
 
     async def _deadline_passed(self) -> None:
         result = await self.gw.jobs.cancel(self.job_id, self.model_id, "timeout")
