@@ -32,12 +32,12 @@ class Gateway:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.replica_id = f"api-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.redis = connect(config.redis.url)
-        self.fast = connect_fast(config.redis.url)
+        self.redis = connect(config.redis)
+        self.fast = connect_fast(config.redis)
         self.scripts = Scripts(self.redis, self.fast)
         self.plans = Plans(config)
         self.jobs = JobClient(self.redis, self.scripts, config, self.plans, self.replica_id)
-        self.replies = ReplyReader(connect_fast(config.redis.url), keys.reply(self.replica_id))
+        self.replies = ReplyReader(connect_fast(config.redis), keys.reply(self.replica_id))
         self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.replica_id)
         self.models = {m.id: m for m in config.models}
         self.metrics = RequestMetrics(set(self.models))
@@ -92,7 +92,9 @@ class Gateway:
 
     async def ready(self) -> tuple[bool, str]:
         try:
-            await self.redis.ping()
+            # A keyed script write through the request path's client: PING and SCRIPT EXISTS
+            # also succeed on a cluster node that does not serve {iop}, or on a replica.
+            await self.jobs.heartbeat()
             if not await self.scripts.loaded():
                 await self.scripts.load()
         except RedisError as exc:

@@ -10,7 +10,6 @@ request ends with exactly one answer even if a worker or Redis goes away.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +23,7 @@ from api.gateway import Gateway
 from api.metrics import RequestClock
 from api.replies import ClientGone, Waiter
 from dispatcher import events
-from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
+from dispatcher.events import Chunks, Done, End, Failed, Meta, Requeued, Start
 from dispatcher.exceptions import (
     JobCancelled,
     ModelNotFound,
@@ -64,11 +63,16 @@ class JobWait:
         if submitted.status == "queued":
             self._queued_until = _now() + submitted.wait_ms / 1000
 
-    async def next_event(self) -> events.Event:
+    async def next_event(self) -> Start | Chunks | End | Done | Failed:
         watch = self.gw.config.dispatch.lease_ms / 1000
         while True:
             timeout = watch if self._queued_until is None else max(self._queued_until - _now(), 0.0)
             event = await self.waiter.next(wait_s=timeout)
+            if isinstance(event, Requeued):
+                # Its worker was lost before any output: it waits in its queue again, with a
+                # fresh deadline (lua/lib/jobs.lua settle_lost).
+                self._queued_until = _now() + self.gw.config.queue_timeout_ms(self.gw.models[self.model_id]) / 1000
+                continue
             if event is not None:
                 if isinstance(event, Done | End | Failed):
                     self.settled = True
@@ -117,13 +121,24 @@ class JobWait:
         self._suspect = True
 
     async def cancel(self) -> None:
-        """The caller went away (or we failed): stop the job wherever it is."""
+        """The caller went away (or we failed): stop the job wherever it is.
+
+        Retried through a Redis outage of up to two lease periods, so the provider stops
+        generating for a caller who hung up while Redis was away."""
         if self.settled:
             return
         self.settled = True
-        # On a Redis error the reaper cancels it, once it sees this replica's jobs.
-        with contextlib.suppress(RedisError):
-            await self.gw.jobs.cancel(self.job_id, self.model_id, "client")
+        give_up = _now() + 2 * self.gw.config.dispatch.lease_ms / 1000
+        delay = 0.05
+        while True:
+            try:
+                await self.gw.jobs.cancel(self.job_id, self.model_id, "client")
+                return
+            except RedisError:
+                if _now() > give_up:
+                    return  # its lease, or the reaper's orphan sweep, ends it
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
 
 async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> Response[Any]:
@@ -230,10 +245,15 @@ async def _watch_disconnect(request: Request[Any, Any, Any], waiter: Waiter) -> 
 
 async def _sse(wait: JobWait, first: Start | End, model_id: str, clock: RequestClock) -> AsyncIterator[bytes]:
     status = JobCancelled.status  # unless the stream reaches its end
+    seen = 0  # the last chunk batch relayed (a retried write may come twice)
     try:
         event: events.Event = first
         while True:
-            if isinstance(event, Start | Chunks):
+            if isinstance(event, Chunks) and event.seq and event.seq <= seen:
+                pass
+            elif isinstance(event, Start | Chunks):
+                if isinstance(event, Chunks):
+                    seen = event.seq or seen
                 if event.chunks:
                     yield _frames(event.chunks, model_id)
                     if event is first:

@@ -46,8 +46,24 @@ class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     pass
 
 
+class SentinelConfig(_Base, frozen=True):
+    """Redis Sentinel names the master; ``url`` then gives only TLS, db and credentials."""
+
+    master: str
+    # "host:port" of each sentinel; asked in turn.
+    nodes: list[str]
+    # The ACL user and the env var holding the password of the data connections.
+    username: str | None = None
+    password_env: str | None = None
+    # The env var holding the sentinels' own password (none when unset).
+    sentinel_password_env: str | None = None
+
+
 class RedisConfig(_Base, frozen=True):
     url: str | None = None
+    # The url is any one node of a Redis Cluster: iop finds the master serving {iop}.
+    cluster: bool = False
+    sentinel: SentinelConfig | None = None
 
 
 class ApiConfig(_Base, frozen=True):
@@ -87,6 +103,13 @@ class DispatchConfig(_Base, frozen=True):
     max_attempts: int = 2
     # SIGTERM: running jobs get this long to finish before they are cancelled.
     drain_grace_s: float = 30.0
+
+    @property
+    def observation_gap_ms(self) -> int:
+        """No reaper round for longer than this means nobody was watching Redis: expiries
+        that passed meanwhile are not held against their owners (``lua/reap_round.lua``).
+        Short enough that no live lease or replica expires inside it."""
+        return min(self.lease_ms // 3, self.replica_ttl_ms // 2)
 
 
 class ModelConfig(_Base, frozen=True):
@@ -227,7 +250,47 @@ def validate(config: Config) -> list[ConfigProblem]:
             f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
     if d.drain_grace_s < 0:
         bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
+    if min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0 and 2 * d.reap_interval_ms >= d.observation_gap_ms:
+        bad("$.dispatch.reap_interval_ms",
+            f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
+            f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")
+    problems.extend(_redis_problems(config.redis))
     return problems
+
+
+def _redis_problems(redis: RedisConfig) -> Iterator[ConfigProblem]:
+    url = urlsplit(redis.url) if redis.url else None
+    if (redis.cluster or redis.sentinel) and url is not None and url.scheme not in ("redis", "rediss"):
+        yield ConfigProblem("$.redis.url", "Redis Cluster and Sentinel are reached over TCP: use redis:// or rediss://")
+    elif redis.cluster and url is not None and url.path.strip("/") not in ("", "0"):
+        yield ConfigProblem("$.redis.url", f"a Redis Cluster has only database 0, got {url.path.strip('/')!r}")
+    sentinel = redis.sentinel
+    if sentinel is None:
+        return
+    if redis.cluster:
+        yield ConfigProblem("$.redis.sentinel", "cannot be combined with cluster: true")
+    if not sentinel.master:
+        yield ConfigProblem("$.redis.sentinel.master", "must not be empty")
+    if not sentinel.nodes:
+        yield ConfigProblem("$.redis.sentinel.nodes", "needs at least one sentinel, as host:port")
+    for i, node in enumerate(sentinel.nodes):
+        try:
+            host_port(node)
+        except ValueError as exc:
+            yield ConfigProblem(f"$.redis.sentinel.nodes[{i}]", str(exc))
+    for name in ("password_env", "sentinel_password_env"):
+        value = getattr(sentinel, name)
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            yield ConfigProblem(f"$.redis.sentinel.{name}", "must be the name of an environment variable")
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a pair; a ValueError says what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)
 
 
 def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProblem]:
@@ -302,8 +365,9 @@ def _normalised(config: Config) -> Config:
         )
         for node in config.nodes
     ]
+    # The URL only: a cluster or sentinel setting of the file still applies to it.
     redis_url = os.environ.get("IOP_REDIS_URL") or config.redis.url
-    return msgspec.structs.replace(config, nodes=nodes, redis=RedisConfig(url=redis_url))
+    return msgspec.structs.replace(config, nodes=nodes, redis=msgspec.structs.replace(config.redis, url=redis_url))
 
 
 def decode(data: bytes | str) -> Config:

@@ -5,7 +5,8 @@
 * :class:`Event` -- what a worker tells the waiting API process about a job, on that
   process's reply stream, msgpack-encoded: a streamed answer is ``Start`` (with the
   first chunks), ``Chunks``..., then ``End`` or ``Failed``; a JSON answer is one
-  ``Done`` or ``Failed``.
+  ``Done`` or ``Failed``. ``Requeued`` may come first, any number of times: the job lost
+  its worker before any output and waits in its queue again, with a fresh deadline.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Start(msgspec.Struct, tag="start", array_like=True):
 
 class Chunks(msgspec.Struct, tag="chunks", array_like=True):
     chunks: list[bytes]
+    # 1, 2, ... per job (the Start event is 0): a batch written twice -- a retry after its
+    # reply was lost -- is dropped by the API.
+    seq: int = 0
 
 
 class End(msgspec.Struct, tag="end", array_like=True):
@@ -63,7 +67,11 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
         return cls(exc.status, exc.code or "", exc.message, meta)
 
 
-Event = Start | Chunks | End | Done | Failed
+class Requeued(msgspec.Struct, tag="requeued", array_like=True):
+    pass
+
+
+Event = Start | Chunks | End | Done | Failed | Requeued
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Event)
@@ -75,6 +83,9 @@ def encode(event: Event) -> bytes:
 
 def decode(data: bytes) -> Event:
     return _decoder.decode(data)
+
+
+REQUEUED = encode(Requeued())
 
 
 class Assignment(msgspec.Struct, frozen=True):

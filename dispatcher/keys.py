@@ -19,6 +19,9 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:replicas``       | zset   | API replica id -> liveness expiry ms                           |
 | ``{iop}:seq``            | string | submit counter (global FIFO order across groups)               |
 | ``{iop}:fence``          | string | dispatch counter (fencing tokens)                              |
+| ``{iop}:reaper``         | string | the reaper round lock (owner, expires after one interval)     |
+| ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
+|                          |        | on a new server, expiries are renewed before anyone is judged |
 
 Channel ``{iop}:cancel:<node>`` tells a node's workers to abort a running job.
 """
@@ -35,6 +38,7 @@ FENCE = f"{PREFIX}:fence"
 SEQ = f"{PREFIX}:seq"
 REPLICAS = f"{PREFIX}:replicas"
 REAPER_LOCK = f"{PREFIX}:reaper"
+REAPER_SEEN = f"{PREFIX}:reaper:seen"
 
 # The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
 # fifth (lua/lib/pump.lua).

@@ -5,6 +5,11 @@ It runs inside every API and worker process; a short lock lets one of them do a 
 per interval. Each round reads candidates with plain commands, then hands every one to
 a script that checks it again before acting, so a round that races with normal
 traffic -- or with another round -- changes nothing it should not.
+
+A round never judges liveness across a gap in the fleet's view of Redis: ``reap_round``
+opens it, and when the last round is too long ago (Redis was down or restored) or ran on
+another server (a restart or a failover), it first gives every lease and replica a fresh
+period, and the round then reconciles in_flight with the leases the server holds.
 """
 
 from __future__ import annotations
@@ -32,13 +37,17 @@ BATCH = 200
 ORPHAN_GRACE_MS = 30_000
 # Rounds between the slower checks: in_flight against leases, and departed consumers.
 RECONCILE_EVERY = 30
-# A consumer (worker process) idle this long with nothing pending is gone for good.
-CONSUMER_IDLE_MS = 600_000
+# A consumer (worker process) idle this long with nothing pending is gone: a live worker
+# reads at least every third of a lease, and one removed by mistake is recreated by its
+# next read, so the threshold only needs to be safely above a read.
+CONSUMER_IDLE_MS = 60_000
 
 
 @dataclass
 class ReapStats:
     leases: dict[str, int]
+    gap_ms: int = 0  # > 0: time since the last round; -1: no round was ever recorded
+    new_server: bool = False
     replicas: int = 0
     orphans: int = 0
     corrected: list[tuple[str, int, int]] | None = None
@@ -63,11 +72,15 @@ class Reaper:
         interval = self.config.dispatch.reap_interval_ms
         if not await self.redis.set(keys.REAPER_LOCK, self.owner, nx=True, px=interval):
             return None
-        now = await self.now_ms()
-        stats = ReapStats(leases=await self.reap_leases(now))
+        now, gap_ms, new_server = await self.open_round()
+        if gap_ms or new_server:
+            log.warning("%s: every lease and replica gets a fresh period before anyone is judged",
+                        "Redis is a new server (restart or failover)" if new_server
+                        else f"no reaper round for {gap_ms} ms" if gap_ms > 0 else "first reaper round")
+        stats = ReapStats(leases=await self.reap_leases(now), gap_ms=gap_ms, new_server=new_server)
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
-        if self.rounds % RECONCILE_EVERY == 0:
+        if self.rounds % RECONCILE_EVERY == 0 or gap_ms or new_server:
             stats.corrected = await self.reconcile()
             await self.forget_departed_consumers()
         self.rounds += 1
@@ -101,6 +114,16 @@ class Reaper:
         sec, usec = await self.redis.time()
         return int(sec) * 1000 + int(usec) // 1000
 
+    async def open_round(self) -> tuple[int, int, bool]:
+        """Server time, gap since the last round (ms; -1: none recorded), server changed."""
+        run_id = str((await self.redis.info("server")).get("run_id", ""))
+        d = self.config.dispatch
+        now, gap, changed = await self.scripts.reap_round(
+            [keys.LEASES, keys.REPLICAS, keys.REAPER_SEEN],
+            [d.observation_gap_ms, d.lease_ms, d.replica_ttl_ms, run_id],
+        )
+        return int(now), int(gap), bool(changed)
+
     async def reap_leases(self, now: int) -> dict[str, int]:
         """Leases past expiry: the slot comes back; the job is retried or failed."""
         outcomes: dict[str, int] = {}
@@ -119,11 +142,12 @@ class Reaper:
             plan: Plan = self.plans.by_provider.get(rec.provider, self.plans.empty)
             ks, head = plan.args(
                 (*keys.PUMP_KEYS, keys.node(rec.node), keys.reply(rec.replica), keys.replica_jobs(rec.replica),
-                 keys.provider(rec.provider), keys.queue(rec.model)),
+                 keys.provider(rec.provider), keys.queue(rec.model), keys.REAPER_SEEN),
                 self.config.dispatch.lease_ms,
             )
             outcome, _ = await self.scripts.reap_lease(
-                ks, [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, self._lost_event, REPLY_KEEP_MS]
+                ks, [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, self._lost_event, REPLY_KEEP_MS,
+                     self.config.dispatch.observation_gap_ms, events.REQUEUED]
             )
             name = cast(bytes, outcome).decode()
             outcomes[name] = outcomes.get(name, 0) + 1

@@ -8,6 +8,7 @@ every script a static file rather than text assembled at run time.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from functools import cache
@@ -19,7 +20,8 @@ from redis.commands.core import AsyncScript
 
 from dispatcher.fastredis import Arg, FastRedis
 
-NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_lease", "replica", "reconcile")
+NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
+         "reconcile")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -57,10 +59,14 @@ class Script:
     def source(self) -> str:
         return str(self._registered.script)
 
-    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    async def __call__(self, keys: Sequence[Arg], args: Sequence[Arg], reply_within: float | None = None) -> Any:
+        """``reply_within``: seconds to wait for the reply instead of the client's command timeout."""
         if self._fast is not None:
-            return await self._fast.evalsha(self.sha, self.source, keys, args)
-        return await self._registered(keys, args)  # type: ignore[arg-type]  # ints are fine
+            return await self._fast.evalsha(self.sha, self.source, keys, args, reply_within=reply_within)
+        if reply_within is None:
+            return await self._registered(keys, args)  # type: ignore[arg-type]  # ints are fine
+        async with asyncio.timeout(reply_within):
+            return await self._registered(keys, args)  # type: ignore[arg-type]
 
 
 class Scripts:
@@ -74,6 +80,7 @@ class Scripts:
         self.finish = Script(redis, fast, "finish")
         self.renew = Script(redis, fast, "renew")
         self.heartbeat = Script(redis, fast, "heartbeat")
+        self.reap_round = Script(redis, fast, "reap_round")
         self.reap_lease = Script(redis, fast, "reap_lease")
         self.replica = Script(redis, fast, "replica")
         self.reconcile = Script(redis, fast, "reconcile")

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dispatcher import keys
+from dispatcher import events, keys
 from dispatcher.config import Config
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
@@ -60,19 +60,22 @@ class NodeSlots:
         outcome, _ = await self.scripts.finish(
             ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             "requeue" if requeue else "done", self.config.dispatch.max_attempts],
+             "requeue" if requeue else "done", self.config.dispatch.max_attempts, events.REQUEUED],
         )
         return str(outcome.decode())
 
-    async def renew(self, running: Iterable[tuple[str, int]]) -> list[tuple[str, str]]:
-        """Extend leases; returns (job, 'cancelled' | 'stale') for jobs to abort."""
+    async def renew(
+        self, running: Iterable[tuple[str, int]], reply_within: float | None = None
+    ) -> list[tuple[str, int, str]]:
+        """Extend the leases of (job, fence) runs; returns (job, fence, 'cancelled' | 'stale')
+        for the runs to abort."""
         args: list[str | int] = [self.lease_ms]
         for job, fence in running:
             args += [job, fence]
         if len(args) == 1:
             return []
-        flat = await self.scripts.renew(list(keys.JOB_KEYS), args)
-        return [(flat[i].decode(), flat[i + 1].decode()) for i in range(0, len(flat), 2)]
+        flat = await self.scripts.renew(list(keys.JOB_KEYS), args, reply_within=reply_within)
+        return [(flat[i].decode(), int(flat[i + 1]), flat[i + 2].decode()) for i in range(0, len(flat), 3)]
 
     async def heartbeat(self, provider_id: str, health: str, fields: Sequence[tuple[str, str | int]]) -> int:
         ks, head = self.plans.by_provider[provider_id].args(

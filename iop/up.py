@@ -136,14 +136,19 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
     lines: list[str] = []
     try:
         redis_url = config.redis.url
-        if redis_url:
-            lines.append(f"  redis    {redis_url} (configured)")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if config.redis.sentinel is not None:
+            sentinel = config.redis.sentinel
+            lines.append(f"  redis    master {sentinel.master!r} of sentinels {', '.join(sentinel.nodes)} (configured)")
+        elif redis_url:
+            lines.append(f"  redis    {redis_url} ({'cluster seed, ' if config.redis.cluster else ''}configured)")
         else:
             sup.redis = RedisServer(port=free_port())
             sup.redis.start()
             redis_url = sup.redis.url
             lines.append(f"  redis    {redis_url} (embedded {sup.redis.binary}, v{sup.redis.version()})")
-        env = {**os.environ, "IOP_REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+        if redis_url:
+            env["IOP_REDIS_URL"] = redis_url
 
         for fake in config.demo.fake_providers:
             if not _port_free(fake.host, fake.port):

@@ -15,7 +15,7 @@
 -- ARGV[10]   'done' | 'requeue': the worker gave the job up unfinished (shutdown); it is
 --            dispatched again if none of its output reached the client and attempts are
 --            left, else its client gets the final event
--- ARGV[11]   max attempts (requeue only)
+-- ARGV[11]   max attempts (requeue only)     ARGV[12] requeued event for the client (requeue only)
 -- Returns {outcome, dispatched}; outcome 'released' | 'requeued' | 'failed' | 'dropped' | 'stale'
 --!include lib/jobs.lua
 --!include lib/pump.lua
@@ -35,7 +35,7 @@ release_slot(job, PROVIDER)
 local now = now_ms()
 local outcome = 'released'
 if ARGV[10] == 'requeue' then
-  outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[11]), event,
+  outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[11]), event, ARGV[12],
                         tonumber(ARGV[9]), now)
 else
   if event ~= '' and rec.st ~= 'c' then

@@ -4,7 +4,8 @@
 -- KEYS[1..4] jobs, bodies, leases, deadlines (see lib/jobs.lua)
 -- ARGV[1]    lease ms
 -- ARGV[2..]  job id, fence, job id, fence, ...
--- Returns a flat list job id, reason, ... of jobs to abort; reason 'cancelled' | 'stale'
+-- Returns a flat list job id, fence, reason, ... of the runs to abort; reason 'cancelled' | 'stale'
+-- (one worker may hold two runs of a job: a taken-over one and its new dispatch)
 --!include lib/jobs.lua
 
 local expiry = now_ms() + tonumber(ARGV[1])
@@ -14,11 +15,13 @@ for i = 2, #ARGV, 2 do
   local rec = get_record(job)
   if not owned(rec, ARGV[i + 1]) or redis.call('ZSCORE', LEASES, job) == false then
     abort[#abort + 1] = job
+    abort[#abort + 1] = ARGV[i + 1]
     abort[#abort + 1] = 'stale'
   else
     redis.call('ZADD', LEASES, 'XX', expiry, job)
     if rec.st == 'c' then
       abort[#abort + 1] = job
+      abort[#abort + 1] = ARGV[i + 1]
       abort[#abort + 1] = 'cancelled'
     end
   end

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
+from redis.exceptions import RedisError
+
 from dispatcher import events
 from dispatcher.events import Assignment, Chunks, Done, End, Meta, Start
 from dispatcher.slots import NodeSlots
+
+log = logging.getLogger("iop.worker")
+
+# While Redis cannot be written, a stream's output is held in memory, up to this much per
+# job: a caller sees a pause, not an error. Past it (or past the time bound the worker
+# gives) the job ends with worker_lost instead of growing without limit.
+HOLD_BYTES = 8 * 1024 * 1024
+# Between two write attempts while Redis is away: chunks keep coming from the provider,
+# and each must not cost a connection attempt.
+RETRY_EVERY_S = 0.2
 
 
 class JobAborted(Exception):
@@ -20,35 +35,89 @@ class RedisSink:
 
     The first output of a stream goes through the ``emit`` script, which checks that the
     job is still this worker's and marks it as having reached its client; later
-    chunks are plain appends. The final event is written by ``finish`` together with
-    the release, so a client never sees an answer whose slot was not given back.
+    chunks are plain appends, numbered so that the API drops a batch written twice (a
+    retry after a reply lost with the connection). The final event is written by
+    ``finish`` together with the release, so a client never sees an answer whose slot was
+    not given back.
+
+    When Redis cannot be written, output is held (``HOLD_BYTES``, ``hold_s``) and written
+    in order once it can: a batch once tried keeps its number and its content, so a
+    retry is either a duplicate the API drops or the first copy.
     """
 
-    def __init__(self, slots: NodeSlots, job: Assignment, node_id: str) -> None:
+    def __init__(self, slots: NodeSlots, job: Assignment, node_id: str, hold_s: float = 0.0) -> None:
         self.slots = slots
         self.job = job
         self.meta = Meta(job.provider, node_id, job.target, job.queue_ms, job.attempt)
         self.status = 200
         self.started = False  # emit succeeded: output may have reached the client
+        self.hold_s = hold_s
         self._final: events.Event | None = None
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._unacked: tuple[int, list[bytes]] | None = None  # tried, not known written
+        self._seq = 0  # of the next batch: 0 is the start event
+        self._failing_since: float | None = None
+        self._retry_at = 0.0
 
     async def start(self, status: int) -> None:
         self.status = status
 
     async def chunks(self, payloads: list[bytes]) -> None:
-        if self.started:
-            await self.slots.chunks(self.job, events.encode(Chunks(payloads)))
+        self._pending.extend(payloads)
+        self._pending_bytes += sum(len(p) for p in payloads)
+        if self._failing_since is not None and time.monotonic() < self._retry_at:
+            self._check_bounds()
             return
-        outcome = await self.slots.emit(self.job, events.encode(Start(self.meta, self.status, payloads)))
-        if outcome != "ok":
-            raise JobAborted(outcome)
-        self.started = True
+        try:
+            await self.flush()
+        except RedisError as exc:
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+                log.warning("job %s: Redis away (%s); holding its output", self.job.job, exc)
+            self._retry_at = now + RETRY_EVERY_S
+            self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        assert self._failing_since is not None
+        held = self._pending_bytes + sum(len(p) for p in (self._unacked or (0, []))[1])
+        if held > HOLD_BYTES or time.monotonic() - self._failing_since > self.hold_s:
+            raise RedisError(f"output held for {time.monotonic() - self._failing_since:.1f} s ({held} bytes); "
+                             "giving up on this stream")
+
+    async def flush(self) -> None:
+        """Write what is held, in order; RedisError leaves it held."""
+        while True:
+            if self._unacked is None:
+                if not self._pending:
+                    break
+                self._unacked = (self._seq, self._pending)
+                self._seq += 1
+                self._pending, self._pending_bytes = [], 0
+            seq, batch = self._unacked
+            if seq == 0:
+                outcome = await self.slots.emit(self.job, events.encode(Start(self.meta, self.status, batch)))
+                if outcome != "ok":
+                    raise JobAborted(outcome)
+                self.started = True
+            else:
+                await self.slots.chunks(self.job, events.encode(Chunks(batch, seq)))
+            self._unacked = None
+        if self._failing_since is not None:
+            log.info("job %s: Redis is back after %.1f s; held output written", self.job.job,
+                     time.monotonic() - self._failing_since)
+            self._failing_since = None
+
+    def discard(self) -> None:
+        """Forget held output (the job ends with an error instead)."""
+        self._pending, self._pending_bytes, self._unacked = [], 0, None
 
     async def done(self, status: int, body: bytes, content_type: str) -> None:
         self._final = Done(self.meta, status, body, content_type)
 
     def final_event(self) -> events.Event:
-        """What ``finish`` writes after a successful call."""
+        """What ``finish`` writes after a successful call (once ``flush`` wrote the rest)."""
         if self._final is not None:
             return self._final
-        return End(None if self.started else self.meta)
+        return End(None if self._seq > 0 else self.meta)

@@ -7,13 +7,20 @@ Built from small loops that run side by side in one task group:
                       its health and description) every ``heartbeat_interval_ms``
 * ``_consume``        read the node stream through the consumer group and start jobs
 * ``_cancel_listener`` abort a running job when its API says the client left
-* ``_renew_loop``     extend the leases of running jobs, every third of a lease
+* ``_renew_loop``     extend the leases of running jobs a third of a lease after the last
+                      success (sooner after a failure), each call bounded well under that
 * ``_reap_loop``      the shared maintenance round (``dispatcher.reaper``)
 * ``_watch_signals``  SIGTERM/SIGINT: stop taking jobs, let running ones finish within
                       ``drain_grace_s``, cancel the rest, exit
 
 Several worker processes may serve the same node: the consumer group hands each job
 to one of them, and the slot accounting in Redis bounds them together.
+
+A run is a (job, fence) pair: after a lease expired the same job may be dispatched to
+this very worker again, and the old run must then stop without touching the new one.
+Through a Redis outage shorter than ``OUTAGE_LEASES`` leases, running provider calls go
+on: streamed output is held by the sink and final answers by ``_finish`` until Redis
+takes them.
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ from workers.sink import JobAborted, RedisSink
 log = logging.getLogger("iop.worker")
 
 READ_BATCH = 64
+# How long a worker keeps a job's output and slot through a Redis outage before leaving
+# the job to its lease: the README promises two lease periods.
+OUTAGE_LEASES = 2
+
+
+RunKey = tuple[str, int]  # (job id, fence)
 
 
 @dataclass
@@ -63,6 +76,10 @@ class Running:
     job: Assignment
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     abort_reason: str | None = None
+
+    @property
+    def key(self) -> RunKey:
+        return (self.job.job, self.job.fence)
 
     def abort(self, reason: str) -> None:
         if self.abort_reason is None:
@@ -78,10 +95,10 @@ class Worker:
         self.config = config
         self.node: NodeConfig = node
         self.worker_id = f"{node_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.redis = connect(config.redis.url)
-        self.fast = connect_fast(config.redis.url)
+        self.redis = connect(config.redis)
+        self.fast = connect_fast(config.redis)
         # XREADGROUP BLOCK holds its connection until jobs come: a connection of its own.
-        self.stream_conn = connect_fast(config.redis.url)
+        self.stream_conn = connect_fast(config.redis)
         self.scripts = Scripts(self.redis, self.fast)
         self.plans = Plans(config)
         self.slots = NodeSlots(self.redis, self.scripts, config, self.plans, node_id, self.fast)
@@ -92,7 +109,7 @@ class Worker:
         # swallow the very jobs the reaper hands out again.
         self._block_ms = min(BLOCK_MS, config.dispatch.lease_ms // 3)
         self.health: dict[str, ProbeResult] = {}
-        self.running: dict[str, Running] = {}
+        self.running: dict[RunKey, Running] = {}
         # Cancels that arrived before their job was read from the stream.
         self.early_cancels: dict[str, float] = {}
         self.draining = False
@@ -101,6 +118,8 @@ class Worker:
         self._providers_scope: anyio.CancelScope | None = None
         self._wake: dict[str, anyio.Event] = {}
         self._idle: anyio.Event | None = None  # set whenever no job runs (drain waits on it)
+        self._renew_soon: anyio.Event | None = None  # set to renew (and learn of cancels) now
+        self._hold_s = OUTAGE_LEASES * config.dispatch.lease_ms / 1000
 
     # --- the process ------------------------------------------------------------------
 
@@ -108,6 +127,7 @@ class Worker:
         # anyio primitives need the running loop, so they are made here.
         self._idle = anyio.Event()
         self._idle.set()
+        self._renew_soon = anyio.Event()
         self._consume_scope = anyio.CancelScope()
         self._providers_scope = anyio.CancelScope()
         session = new_session(sum(p.capacity for p in self.node.providers))
@@ -129,8 +149,9 @@ class Worker:
                 tg.start_soon(self._reap_loop)
                 async with anyio.create_task_group() as jobs:
                     await self._consume(jobs)
-                    await self._drain()
+                    await self._drain(jobs)
                 tg.cancel_scope.cancel()
+            await self._leave_group()
         finally:
             for adapter in self.adapters.values():
                 await adapter.aclose()
@@ -156,7 +177,7 @@ class Worker:
                 self.stop()
                 return
 
-    async def _drain(self) -> None:
+    async def _drain(self, jobs: TaskGroup) -> None:
         # No new work for this node's providers from this worker; another live worker of the
         # node puts them back within one heartbeat.
         with anyio.CancelScope(shield=True):
@@ -165,12 +186,48 @@ class Worker:
                     await self.slots.heartbeat(provider.id, "unavailable", [("reason", "worker draining")])
                 except RedisError as exc:
                     log.warning("could not mark %s draining: %s", provider.id, exc)
+            # Jobs dispatched here before the mark took effect go back to their queue now,
+            # not when their lease runs out.
+            await self._hand_back_unstarted(jobs)
         grace = self.config.dispatch.drain_grace_s
         with anyio.move_on_after(grace):
             assert self._idle is not None
             await self._idle.wait()
         for running in list(self.running.values()):
             running.abort("drain")
+
+    async def _hand_back_unstarted(self, jobs: TaskGroup) -> None:
+        """Requeue the node stream entries this worker was given (or would be) but never ran."""
+        mine = {r.job.entry_id for r in self.running.values()}
+        for start_id in ("0", ">"):  # delivered to this consumer and still pending; then new
+            try:
+                batch = await self.stream_conn.execute(
+                    "XREADGROUP", "GROUP", keys.NODE_GROUP, self.worker_id, "COUNT", 1000,
+                    "STREAMS", self.slots.node_key, start_id,
+                )
+            except RedisError as exc:
+                log.warning("could not hand back undelivered jobs: %s (their leases will)", exc)
+                return
+            for _stream, entries in batch or []:
+                for entry_id, fields in entries:
+                    if not fields or (entry_id.decode() if isinstance(entry_id, bytes) else entry_id) in mine:
+                        continue  # deleted entry, or a job running here
+                    jobs.start_soon(self._hand_back, Assignment.from_entry(entry_id, fields))
+
+    async def _hand_back(self, job: Assignment) -> None:
+        lost = Failed.from_error(WorkerLost("the worker shut down before the job started"))
+        await self._finish(Running(job), None, lost, requeue=True)
+
+    async def _leave_group(self) -> None:
+        """A worker that exits cleanly leaves the node's consumer group (if it holds nothing)."""
+        try:
+            pending = await self.redis.xpending_range(
+                self.slots.node_key, keys.NODE_GROUP, "-", "+", 1, consumername=self.worker_id
+            )
+            if not pending:
+                await self.redis.xgroup_delconsumer(self.slots.node_key, keys.NODE_GROUP, self.worker_id)
+        except RedisError as exc:
+            log.info("could not leave the consumer group: %s", exc)
 
     async def _wait_for_redis(self) -> None:
         delay = 0.1
@@ -207,14 +264,20 @@ class Worker:
                     continue
                 for _stream, entries in batch or []:
                     for entry_id, fields in entries:
-                        jobs.start_soon(self._run_job, Assignment.from_entry(entry_id, fields))
+                        job = Assignment.from_entry(entry_id, fields)
+                        jobs.start_soon(self._hand_back if self.draining else self._run_job, job)
 
     async def _run_job(self, job: Assignment) -> None:
         running = Running(job)
-        self.running[job.job] = running
+        for other in self.running.values():
+            if other.job.job == job.job:
+                # Its lease ran out while this worker could not renew it, and the job came
+                # back here: the old run is fenced off and must stop calling the provider.
+                other.abort("stale")
+        self.running[running.key] = running
         if self._idle is None or self._idle.is_set():
             self._idle = anyio.Event()
-        sink = RedisSink(self.slots, job, self.node.id)
+        sink = RedisSink(self.slots, job, self.node.id, self._hold_s)
         final: events.Event | None = None
         try:
             if self.early_cancels.pop(job.job, None) is not None:
@@ -227,12 +290,18 @@ class Worker:
                                           sink.meta)
             elif running.abort_reason is not None:
                 final = None
+        except Exception:
+            # One job's failure must not take down the task group, and every other job with it.
+            log.exception("job %s: unexpected failure", job.job)
+            final = Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
         finally:
             with anyio.CancelScope(shield=True):
-                await self._finish(job, final, requeue=running.abort_reason == "drain")
-            del self.running[job.job]
-            if not self.running and self._idle is not None:
-                self._idle.set()
+                try:
+                    await self._finish(running, sink, final, requeue=running.abort_reason == "drain")
+                finally:
+                    self.running.pop(running.key, None)
+                    if not self.running and self._idle is not None:
+                        self._idle.set()
 
     async def _call(self, job: Assignment, running: Running, sink: RedisSink) -> events.Event | None:
         adapter = self.adapters.get(job.provider)
@@ -256,37 +325,51 @@ class Worker:
                     self._probe_now(job.provider)
                 return Failed.from_error(exc, sink.meta)
             except RedisError as exc:
-                log.warning("job %s: Redis failed while streaming: %s", job.job, exc)
+                # The sink held the output as long as it could (see workers/sink.py).
+                log.warning("job %s: %s", job.job, exc)
+                sink.discard()
                 return Failed.from_error(WorkerLost("the worker lost Redis while streaming"), sink.meta)
-            except Exception:
-                log.exception("job %s on %s failed", job.job, job.provider)
-                return Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
         return None
 
-    async def _finish(self, job: Assignment, final: events.Event | None, requeue: bool = False) -> None:
+    async def _finish(
+        self, running: Running, sink: RedisSink | None, final: events.Event | None, requeue: bool = False
+    ) -> None:
+        """Write what the sink holds, then the final event with the release; through a Redis
+        outage of up to ``OUTAGE_LEASES`` leases (the job stays in ``running`` meanwhile, so
+        its lease is renewed whenever Redis answers)."""
+        job = running.job
         data = events.encode(final) if final is not None else None
         delay = 0.05
-        give_up = time.monotonic() + self.config.dispatch.lease_ms / 1000
+        failing_since: float | None = None
         while True:
             try:
+                if sink is not None and data is not None and not requeue:
+                    await sink.flush()
                 outcome = await self.slots.finish(job, data, requeue=requeue)
                 if outcome not in ("released", "stale"):
                     log.info("job %s given up at shutdown: %s", job.job, outcome)
                 return
+            except JobAborted as exc:
+                # The client left (or the job was taken over) before its output was written.
+                log.info("job %s: %s before its output was written", job.job, exc.reason)
+                data = None
             except RedisError as exc:
-                if time.monotonic() > give_up:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self._hold_s:
                     # The lease runs out and the reaper settles the job instead.
                     log.error("job %s: could not release (%s); leaving it to the lease", job.job, exc)
                     return
                 await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                delay = min(delay * 2, 0.5)
 
     # --- cancellation and leases ------------------------------------------------------------
 
     def _cancel(self, job_id: str) -> None:
-        running = self.running.get(job_id)
-        if running is not None:
+        runs = [r for r in self.running.values() if r.job.job == job_id]
+        for running in runs:
             running.abort("cancelled")
+        if runs:
             return
         now = time.monotonic()
         self.early_cancels[job_id] = now + self.config.dispatch.lease_ms / 1000
@@ -301,6 +384,10 @@ class Worker:
             try:
                 await pubsub.subscribe(keys.cancel_channel(self.node.id))
                 delay = 0.1
+                # Cancels published while this worker was not subscribed (a Redis outage)
+                # were missed: a renewal now reports them (state 'c') instead of in a third
+                # of a lease.
+                self.renew_now()
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self._cancel(message["data"].decode())
@@ -310,20 +397,39 @@ class Worker:
                 with anyio.CancelScope(shield=True):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await anyio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 0.5)
+
+    def renew_now(self) -> None:
+        if self._renew_soon is not None:
+            self._renew_soon.set()
 
     async def _renew_loop(self) -> None:
-        period = self.config.dispatch.lease_ms / 3000
+        """Renew from the last success, not after each attempt: a failed or slow call must
+        not push the next one to the lease's expiry, where the reaper races it."""
+        lease_s = self.config.dispatch.lease_ms / 1000
+        period = lease_s / 3
+        timeout = min(period / 3, 2.0)  # a hung call fails with time for two more tries
+        retry = min(period / 6, 0.25)
+        next_at = time.monotonic() + period
         while True:
-            await anyio.sleep(period)
-            running = [(r.job.job, r.job.fence) for r in self.running.values()]
+            assert self._renew_soon is not None
+            with anyio.move_on_after(max(next_at - time.monotonic(), 0.0)):
+                await self._renew_soon.wait()
+            self._renew_soon = anyio.Event()
+            started = time.monotonic()
+            runs = list(self.running.values())
             try:
-                for job_id, reason in await self.slots.renew(running):
-                    if job_id in self.running:
-                        log.info("job %s: aborting (%s)", job_id, reason)
-                        self.running[job_id].abort(reason)
+                aborts = await self.slots.renew([r.key for r in runs], reply_within=timeout)
             except RedisError as exc:
                 log.warning("lease renewal failed: %s", exc)
+                next_at = started + retry
+                continue
+            next_at = started + period
+            for job_id, fence, reason in aborts:
+                running = self.running.get((job_id, fence))
+                if running is not None:
+                    log.info("job %s: aborting (%s)", job_id, reason)
+                    running.abort(reason)
 
     async def _reap_loop(self) -> None:
         period = self.config.dispatch.reap_interval_ms / 1000

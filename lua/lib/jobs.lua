@@ -52,10 +52,12 @@ end
 
 -- A dispatched job lost its worker (lease ran out, or the worker shut down mid-job); its
 -- slot is already released. If none of its output reached the client and attempts are
--- left, it goes back to its original place in its queue, with a fresh deadline: the caller
--- then pumps. Otherwise its client gets `event` (unless the client had left).
+-- left, it goes back to its original place in its queue, with a fresh deadline, and its
+-- API is told at once (`requeued_event`) so it re-arms its queue timer: the caller then
+-- pumps. Otherwise its client gets `event` (unless the client had left).
 -- Returns 'requeued' | 'failed' | 'dropped'.
-local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, reply_ttl_ms, now)
+local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, requeued_event,
+                           reply_ttl_ms, now)
   if rec.st == 'c' then
     drop_job(job, rj_key)
     return 'dropped'
@@ -67,6 +69,8 @@ local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts,
     -- The seq keeps it ahead of everything submitted after it.
     redis.call('ZADD', queue_key, rec.seq, job)
     redis.call('ZADD', DEADLINES, rec.d, job)
+    redis.call('XADD', reply_key, '*', 'j', job, 'e', requeued_event)
+    redis.call('PEXPIRE', reply_key, reply_ttl_ms)
     return 'requeued'
   end
   redis.call('XADD', reply_key, '*', 'j', job, 'e', event)

@@ -261,6 +261,12 @@ class Scenario:
     async def expire_lease(self, job: str) -> None:
         await self.redis.zadd(keys.LEASES, {job: 1})
 
+    async def reap(self) -> dict[str, int]:
+        """A reaper round's lease step (the round opened by reap_round, as run_once does)."""
+        now, gap, _ = self.note("reap round", await self.reaper.open_round())
+        assert gap == 0, "the scenario's first round was opened at its start"
+        return await self.reaper.reap_leases(now)
+
     async def run(self) -> None:
         h, api = self.h, self.h.api
         await Scripts(self.redis).load()
@@ -269,6 +275,7 @@ class Scenario:
         await self.n2.ensure_group()
         for pid in ("a", "b", "c"):
             await self.up(pid)
+        self.note("first round", await self.reaper.open_round())
 
         # submit: dispatched until every slot is taken, then queued.
         jobs = [await self.submit("m1") for _ in range(5)]
@@ -304,7 +311,8 @@ class Scenario:
         on_c = by_provider["c"][0]
         assert self.note("cancel running", (await api.cancel(on_c, "m1", "timeout")).outcome) == "running"
         assert self.note("cancel client", (await api.cancel(on_c, "m1", "client")).outcome) == "cancelling"
-        assert self.note("renew cancelled", await self.n2.renew([(on_c, run[on_c].fence)])) == [(on_c, "cancelled")]
+        assert self.note("renew cancelled", await self.n2.renew([(on_c, run[on_c].fence)])) == [
+            (on_c, run[on_c].fence, "cancelled")]
         assert await self.finish(on_c) == "released"
         assert waiting_m2 in await self.running()
 
@@ -320,14 +328,14 @@ class Scenario:
         run = await self.running()
         victim = next(j for j, a in run.items() if a.provider == "b")
         await self.expire_lease(victim)
-        assert self.note("reap requeue", await self.reaper.reap_leases(await self.reaper.now_ms())) == {"requeued": 1}
+        assert self.note("reap requeue", await self.reap()) == {"requeued": 1}
         # ... and one whose output reached its client fails.
         run = await self.running()
         streamed = run[victim]
         assert streamed.attempt == 2
         assert await self.slots_of(streamed).emit(streamed, b"start") == "ok"
         await self.expire_lease(victim)
-        assert self.note("reap failed", await self.reaper.reap_leases(await self.reaper.now_ms())) == {"failed": 1}
+        assert self.note("reap failed", await self.reap()) == {"failed": 1}
 
         # finish with requeue: a worker gives a job back unfinished.
         run = await self.running()

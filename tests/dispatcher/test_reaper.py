@@ -6,7 +6,7 @@ import pytest
 from redis.asyncio import Redis
 
 from dispatcher import events, keys
-from dispatcher.events import Failed, Meta, Start
+from dispatcher.events import Failed, Meta, Requeued, Start
 from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper
 from tests.dispatcher.test_scripts import Harness, make_config
 
@@ -15,6 +15,13 @@ pytestmark = pytest.mark.anyio
 
 def reaper_of(h: Harness, owner: str = "reaper-1") -> Reaper:
     return Reaper(h.redis, h.node.scripts, h.config, h.node.plans, owner)
+
+
+async def reap(reaper: Reaper) -> dict[str, int]:
+    """The lease step of a round, with the round marker fresh as if rounds had been running."""
+    now = await reaper.now_ms()
+    await reaper.redis.hset(keys.REAPER_SEEN, mapping={"ms": now})
+    return await reaper.reap_leases(now)
 
 
 async def expire_lease(h: Harness, job: str) -> None:
@@ -35,7 +42,7 @@ async def test_live_lease_is_left_alone(h: Harness) -> None:
     await h.up("a")
     await h.submit("m")
     reaper = reaper_of(h)
-    assert await reaper.reap_leases(await reaper.now_ms()) == {}
+    assert await reap(reaper) == {}
     assert await h.in_flight("a") == 1
 
 
@@ -46,7 +53,7 @@ async def test_lost_job_without_output_goes_back_to_its_place(h: Harness) -> Non
     lost = await h.assignment(first)
     await expire_lease(h, first)
     reaper = reaper_of(h)
-    assert await reaper.reap_leases(await reaper.now_ms()) == {"requeued": 1}
+    assert await reap(reaper) == {"requeued": 1}
     # Requeued ahead of the job submitted after it, and dispatched again at once.
     (again,) = await h.assignments()
     assert again.job == first
@@ -58,7 +65,8 @@ async def test_lost_job_without_output_goes_back_to_its_place(h: Harness) -> Non
     assert await h.node.emit(lost, b"late") == "stale"
     assert await h.node.finish(lost, b"late") == "stale"
     assert await h.in_flight("a") == 1
-    assert await h.redis.xlen(keys.reply("rep1")) == 0
+    # Its API learns at once that it waits again (and re-arms its queue deadline).
+    assert await reply_events(h) == [(first, Requeued())]
 
 
 async def test_lost_job_after_output_fails_with_worker_lost(h: Harness) -> None:
@@ -69,7 +77,7 @@ async def test_lost_job_after_output_fails_with_worker_lost(h: Harness) -> None:
     assert await h.node.emit(a, events.encode(start)) == "ok"
     await expire_lease(h, job)
     reaper = reaper_of(h)
-    assert await reaper.reap_leases(await reaper.now_ms()) == {"failed": 1}
+    assert await reap(reaper) == {"failed": 1}
     evs = await reply_events(h)
     assert [j for j, _ in evs] == [job, job]
     assert evs[0][1] == start
@@ -90,10 +98,11 @@ async def test_attempts_are_bounded(h: Harness) -> None:
         if not await h.redis.zscore(keys.LEASES, job):
             break
         await expire_lease(h, job)
-        outcomes.append(await reaper.reap_leases(await reaper.now_ms()))
+        outcomes.append(await reap(reaper))
     # max_attempts defaults to 2: one redispatch, then the client is told.
     assert outcomes == [{"requeued": 1}, {"failed": 1}]
-    (_, final), = await reply_events(h)
+    (_, requeued), (_, final) = await reply_events(h)
+    assert requeued == Requeued()
     assert isinstance(final, Failed)
     assert final.code == "worker_lost"
     assert await h.in_flight("a") == 0
@@ -105,7 +114,7 @@ async def test_lost_cancelled_job_is_dropped_silently(h: Harness) -> None:
     assert (await h.api.cancel(job, "m", "client")).outcome == "cancelling"
     await expire_lease(h, job)
     reaper = reaper_of(h)
-    assert await reaper.reap_leases(await reaper.now_ms()) == {"dropped": 1}
+    assert await reap(reaper) == {"dropped": 1}
     assert await reply_events(h) == []
     assert await h.record(job) is None
     assert await h.in_flight("a") == 0
@@ -130,7 +139,7 @@ async def test_dead_replica_jobs_are_cancelled(h: Harness) -> None:
     assert (await h.record(running)).state == "c"
     # Its worker learns at the next renewal (or on the cancel channel) and releases.
     a = await h.assignment(running)
-    assert await h.node.renew([(running, a.fence)]) == [(running, "cancelled")]
+    assert await h.node.renew([(running, a.fence)]) == [(running, a.fence, "cancelled")]
     await h.node.finish(a, None)
     assert await h.in_flight("a") == 0
     assert await reaper.reap_replicas(await reaper.now_ms()) == 1
@@ -160,3 +169,63 @@ async def test_reconcile_sets_in_flight_to_the_live_leases(h: Harness) -> None:
     assert await h.in_flight("a") == 1
     assert await h.redis.zscore(keys.LEASES, "ghost-job") is None
     assert await reaper.reconcile() == []
+
+
+# --- gaps in the fleet's view of Redis --------------------------------------------------------
+
+
+async def test_after_a_gap_expiries_get_a_fresh_period_instead_of_a_verdict(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    await h.api.heartbeat()
+    reaper = reaper_of(h)
+    assert await reaper.run_once() is not None  # the first round ever: a gap too
+    now = await reaper.now_ms()
+    # Redis was away for ten gap lengths: nobody could renew or heartbeat meanwhile.
+    await h.redis.hset(keys.REAPER_SEEN, "ms", now - 10 * h.config.dispatch.observation_gap_ms)
+    await expire_lease(h, job)
+    await h.redis.zadd(keys.REPLICAS, {"rep1": 1})
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await reaper.run_once()
+    assert stats is not None
+    assert stats.gap_ms >= 10 * h.config.dispatch.observation_gap_ms
+    assert stats.leases == {}
+    assert stats.replicas == 0
+    lease = await h.redis.zscore(keys.LEASES, job)
+    assert lease is not None
+    assert lease >= now + h.config.dispatch.lease_ms - 100
+    replica = await h.redis.zscore(keys.REPLICAS, "rep1")
+    assert replica is not None
+    assert replica >= now + h.config.dispatch.replica_ttl_ms - 100
+    assert await h.in_flight("a") == 1
+    assert (await h.record(job)).state == "d"
+
+
+async def test_a_round_that_lost_sight_of_redis_judges_no_lease(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    reaper = reaper_of(h)
+    now = await reaper.now_ms()
+    await h.redis.hset(keys.REAPER_SEEN, "ms", now - 2 * h.config.dispatch.observation_gap_ms)
+    await expire_lease(h, job)
+    assert await reaper.reap_leases(now) == {"skip": 1}
+    assert await h.in_flight("a") == 1
+
+
+async def test_a_new_server_refreshes_expiries_and_reconciles(h: Harness) -> None:
+    await h.up("a")
+    job, _ = await h.submit("m")
+    reaper = reaper_of(h)
+    assert await reaper.run_once() is not None
+    # A failover or restart: the marker was written by another server.
+    await h.redis.hset(keys.REAPER_SEEN, "run", "another-server")
+    await expire_lease(h, job)
+    await h.set_in_flight("a", 0)  # the new primary missed an increment
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await reaper.run_once()
+    assert stats is not None
+    assert stats.new_server
+    assert stats.gap_ms == 0
+    assert stats.leases == {}
+    assert stats.corrected == [("a", 0, 1)]
+    assert await h.in_flight("a") == 1

@@ -326,7 +326,7 @@ async def test_cancel_of_a_running_job_tells_its_node(harness: Any) -> None:
     assert msg["data"] == job.encode()
     await pubsub.aclose()
     a = await h.assignment(job)
-    assert await h.node.renew([(job, a.fence)]) == [(job, "cancelled")]
+    assert await h.node.renew([(job, a.fence)]) == [(job, a.fence, "cancelled")]
     assert await h.node.emit(a, b"start") == "cancelled"
     # The worker then finishes: the slot is back, and no event goes to the departed client.
     assert await h.node.finish(a, b"final") == "released"
@@ -343,7 +343,7 @@ async def test_emit_and_renew_refuse_a_stale_fence(harness: Any) -> None:
     assert (await h.record(job)).output_started == 1
     stale = Assignment(**{**{f: getattr(a, f) for f in a.__struct_fields__}, "fence": a.fence + 100})
     assert await h.node.emit(stale, b"start") == "stale"
-    assert await h.node.renew([(job, a.fence + 100)]) == [(job, "stale")]
+    assert await h.node.renew([(job, a.fence + 100)]) == [(job, a.fence + 100, "stale")]
     assert await h.node.finish(stale, b"x") == "stale"
     assert await h.in_flight("a") == 1
     assert await h.node.renew([(job, a.fence)]) == []
