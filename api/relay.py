@@ -56,7 +56,8 @@ class JobWait:
         # True once Redis holds nothing more of this job that the API must clean up.
         self.settled = False
         self._queued_until: float | None = None
-        self._suspect = False
+        # Reads of the reply reader when the job was first seen gone from Redis.
+        self._gone_at_read: int | None = None
         self._redis_down_since: float | None = None
 
     def waiting(self, submitted: Submitted) -> None:
@@ -88,7 +89,8 @@ class JobWait:
                 # the watchdog tolerates an outage of two lease periods before giving up.
                 if self._queued_until is not None:
                     raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
-                if self._redis_down_since is None:
+                if self._redis_down_since is None or self.gw.replies.last_read_at > self._redis_down_since:
+                    # Redis was back in between (the reader read): a new outage starts now.
                     self._redis_down_since = _now()
                 elif _now() - self._redis_down_since > 2 * watch:
                     raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
@@ -108,17 +110,21 @@ class JobWait:
         """No event for a lease period: make sure the job still exists somewhere."""
         (raw,) = await self.gw.jobs.states([self.job_id])
         if raw is not None:
-            self._suspect = False
+            self._gone_at_read = None
             record = events.decode_record(raw)
             if record.state in ("q", "x"):
                 # Its worker was lost and it went back to its queue.
                 self._queued_until = _now()
             return
-        if self._suspect:
-            # Gone from Redis twice in a row and no final event arrived: Redis lost it.
+        reads = self.gw.replies.reads
+        if self._gone_at_read is None:
+            self._gone_at_read = reads
+        elif reads >= self._gone_at_read + 2:
+            # A job's final event is written before its record goes, so a read issued after
+            # the record was seen gone would have brought it (the second read since then
+            # surely was): none came, so Redis lost the job.
             self.settled = True
             raise WorkerLost("The request was lost (Redis restarted or its worker vanished)")
-        self._suspect = True
 
     async def cancel(self) -> None:
         """The caller went away (or we failed): stop the job wherever it is.

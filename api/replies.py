@@ -64,7 +64,10 @@ class ReplyReader:
         self.key = reply_key
         self.waiters: dict[str, Waiter] = {}
         self.last_id: bytes = b"0-0"
-        self.connected = False
+        # Successful reads so far, and when the last one ended: a watchdog must not call a
+        # job lost while its answer may still sit unread in the stream.
+        self.reads = 0
+        self.last_read_at = 0.0
 
     def register(self, job_id: str) -> Waiter:
         waiter = Waiter()
@@ -87,13 +90,14 @@ class ReplyReader:
                 result = (await self.conn.execute_many(commands, reply_within=blocking_timeout(BLOCK_MS)))[-1]
                 if isinstance(result, ResponseError):
                     raise result
-                self.connected = True
+                self.reads += 1
+                self.last_read_at = asyncio.get_running_loop().time()
                 delay = 0.05
             except RedisError as exc:
-                self.connected = False
                 log.warning("reading replies failed: %s", exc)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                # Short: while this reader is away, answers already written wait unread.
+                delay = min(delay * 2, 0.5)
                 continue
             trim = bool(result)
             for _stream, entries in result or []:

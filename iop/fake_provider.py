@@ -13,8 +13,9 @@ concatenation around the JSON-encoded ``model`` echo, nothing is logged per requ
 and a stream with no ``token_interval_ms`` pause is written in one piece.
 
 Order of the checks on a ``/v1`` POST: the request is recorded (even a malformed one,
-with ``body: null``), then ``api_key`` (401), ``hang``, ``delay_ms``, ``fail_status``,
-``garbage``, and only then the body itself is validated (400).
+with ``body: null``), then ``api_key`` (401), the ``fake`` overrides when enabled (400),
+``hang``, ``delay_ms``, ``fail_status``, ``garbage``, and only then the body itself is
+validated (400).
 
 ``hang`` holds a request until the client goes away, the server shuts down (503), or
 ``hang`` is switched off again, after which the request is answered normally.
@@ -23,6 +24,14 @@ Counters of ``/_fake/stats``: ``total`` POSTs received, ``completed`` ones answe
 (whatever the status), ``disconnected`` ones whose client went away first (also a request
 still held when the server stops); ``total == completed + disconnected + in_flight``.
 ``POST /_fake/stats/reset`` zeroes them, except ``in_flight`` (``max_in_flight`` restarts from it).
+
+Two more test hooks, both off until ``POST /_fake/hooks`` switches them on (so they cost
+nothing otherwise): ``track_executions`` logs every ``/v1`` POST in ``/_fake/executions``
+with its marker (the body's ``user`` string), the caller's TCP port, its start and end
+(wall-clock seconds) and its outcome (``running``, ``completed``, ``disconnected`` or ``failed``), so a test can
+count how often the provider ran each request; ``body_overrides`` lets a request carry a
+``fake`` object (``delay_ms``, ``tokens``, ``token_interval_ms``) that replaces those
+options for that request alone.
 """
 
 from __future__ import annotations
@@ -108,6 +117,43 @@ class _Stats(msgspec.Struct):
     disconnected: int = 0
 
 
+class _Hooks(msgspec.Struct, kw_only=True):
+    """Test hooks outside ``FakeOptions``; ``POST /_fake/hooks`` changes them."""
+
+    track_executions: bool = False
+    body_overrides: bool = False
+
+
+class _HooksPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    track_executions: bool | msgspec.UnsetType = msgspec.UNSET
+    body_overrides: bool | msgspec.UnsetType = msgspec.UNSET
+
+
+class _Overrides(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request's ``fake`` object (with ``body_overrides`` on)."""
+
+    delay_ms: _NonNegative | None = None
+    tokens: _NonNegative | None = None
+    token_interval_ms: _NonNegative | None = None
+
+
+class _Execution(msgspec.Struct, kw_only=True):
+    """One ``/v1`` POST, as ``/_fake/executions`` lists it."""
+
+    path: str
+    started: float
+    client_port: int | None = None
+    """The caller's TCP port: which of several callers (worker processes) ran it."""
+    marker: str | None = None
+    stream: bool = False
+    ended: float | None = None
+    outcome: str = "running"
+
+    def end(self, outcome: str) -> None:
+        self.ended = time.time()
+        self.outcome = outcome
+
+
 class _ClientGone(Exception):
     """The client went away before the answer was complete (seen without handler cancellation)."""
 
@@ -124,6 +170,7 @@ _DONE: Final = b"data: [DONE]\n\n"
 _HANG_POLL_S: Final = 0.05
 _EMBEDDING_DIMS: Final = 8
 _MAX_RECORDED: Final = 1000
+_MAX_EXECUTIONS: Final = 100_000
 
 
 def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -151,6 +198,11 @@ _BAD_INPUT: Final = _error_body(
 )
 _UNHEALTHY: Final = _error_body("fake provider is unhealthy", "server_error", None, "service_unavailable")
 _SHUTTING_DOWN: Final = _error_body("fake provider is shutting down", "server_error")
+_BAD_OVERRIDES: Final = _error_body(
+    "'fake' must be an object of non-negative integers delay_ms, tokens, token_interval_ms",
+    "invalid_request_error",
+    "fake",
+)
 
 _GARBAGE_JSON: Final = b'{"id":"chatcmpl-garbage","object":"chat.completion","choices":[{"message":{"rol'
 # A stream that starts fine, then carries a data line that is not JSON, then ends normally.
@@ -266,6 +318,8 @@ class _FakeProvider:
         self.options = options
         self.stats = _Stats()
         self.requests: deque[_Recorded] = deque(maxlen=_MAX_RECORDED)
+        self.hooks = _Hooks()
+        self.executions: deque[_Execution] = deque(maxlen=_MAX_EXECUTIONS)
         self.closing = False
         self._ids = itertools.count(1)
         self.routes: dict[str, dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = {
@@ -284,6 +338,8 @@ class _FakeProvider:
             "/_fake/stats": {"GET": self.get_stats},
             "/_fake/stats/reset": {"POST": self.reset_stats},
             "/_fake/control": {"POST": self.control},
+            "/_fake/hooks": {"GET": self.get_hooks, "POST": self.set_hooks},
+            "/_fake/executions": {"GET": self.get_executions, "DELETE": self.clear_executions},
         }
 
     # ---------------------------------------------------------------- /v1 POSTs
@@ -303,24 +359,40 @@ class _FakeProvider:
         stats.in_flight += 1
         if stats.in_flight > stats.max_in_flight:
             stats.max_in_flight = stats.in_flight
+        execution: _Execution | None = None
+        if self.hooks.track_executions:
+            peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+            port = peer[1] if isinstance(peer, tuple) and len(peer) >= 2 else None
+            execution = _Execution(path=request.path, started=time.time(), client_port=port)
+            self.executions.append(execution)
         try:
-            response = await self._answer(request, kind)
+            response = await self._answer(request, kind, execution)
         except asyncio.CancelledError:
             stats.disconnected += 1
+            if execution is not None:
+                execution.end("disconnected")
             raise
         except _ClientGone as gone:
             stats.disconnected += 1
+            if execution is not None:
+                execution.end("disconnected")
             return gone.response
         except Exception:
             stats.completed += 1  # aiohttp answers 500
+            if execution is not None:
+                execution.end("failed")
             raise
         else:
             stats.completed += 1
+            if execution is not None:
+                execution.end("completed")
             return response
         finally:
             stats.in_flight -= 1
 
-    async def _answer(self, request: web.Request, kind: int) -> web.StreamResponse:
+    async def _answer(
+        self, request: web.Request, kind: int, execution: _Execution | None = None
+    ) -> web.StreamResponse:
         options = self.options
         raw = await request.read()
         authorization = request.headers.get("Authorization")
@@ -338,14 +410,27 @@ class _FakeProvider:
             model = None
         stream = is_object and kind != _EMBED and body.get("stream") is True
         self.requests.append(_Recorded(request.path, model, stream, authorization, body))
-
+        if execution is not None:
+            user = body.get("user") if is_object else None
+            execution.marker = user if isinstance(user, str) else None
+            execution.stream = stream
         api_key = options.api_key
         if api_key is not None and authorization != "Bearer " + api_key:
             return _error(401, _BAD_KEY)
+        delay_ms, n, interval_ms = options.delay_ms, options.tokens, options.token_interval_ms
+        if self.hooks.body_overrides and is_object and "fake" in body:
+            try:
+                overrides = msgspec.convert(body["fake"], type=_Overrides)
+            except msgspec.ValidationError:
+                return _error(400, _BAD_OVERRIDES)
+            delay_ms = delay_ms if overrides.delay_ms is None else overrides.delay_ms
+            n = n if overrides.tokens is None else overrides.tokens
+            interval_ms = interval_ms if overrides.token_interval_ms is None else overrides.token_interval_ms
+
         if options.hang and not await self._hang(request):
             return _error(503, _SHUTTING_DOWN)
-        if options.delay_ms > 0:
-            await self._sleep(request, options.delay_ms / 1000)
+        if delay_ms > 0:
+            await self._sleep(request, delay_ms / 1000)
         status = options.fail_status
         if status is not None:
             type_ = "server_error" if status >= 500 else "invalid_request_error"
@@ -365,7 +450,6 @@ class _FakeProvider:
         prompt_tokens = max(1, len(raw) // 4)
         if kind == _EMBED:
             return self._embeddings(body, model_json)
-        n = options.tokens
         words = _words(n)
         usage = _usage(prompt_tokens, n)
         shape = _SHAPES[kind]
@@ -386,7 +470,7 @@ class _FakeProvider:
         if isinstance(stream_options, dict) and stream_options.get("include_usage") is True:
             tail += top + b'[],"usage":' + usage + b"}\n\n"
         tail += _DONE
-        return await self._stream(request, _groups(first, contents, tail), options.token_interval_ms)
+        return await self._stream(request, _groups(first, contents, tail), interval_ms)
 
     def _embeddings(self, body: dict[str, Any], model_json: bytes) -> web.Response:
         items = _embedding_inputs(body.get("input"))
@@ -523,6 +607,29 @@ class _FakeProvider:
         stats.total = stats.completed = stats.disconnected = 0
         stats.max_in_flight = stats.in_flight
         return web.Response(body=msgspec.json.encode(self.stats), content_type=_JSON)
+
+    async def get_hooks(self, request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(self.hooks), content_type=_JSON)
+
+    async def set_hooks(self, request: web.Request) -> web.Response:
+        try:
+            patch = msgspec.json.decode(await request.read(), type=_HooksPatch)
+        except msgspec.ValidationError as exc:
+            return _error(400, _error_body(f"invalid hooks: {exc}", "invalid_request_error"))
+        except msgspec.DecodeError:
+            return _error(400, _BAD_JSON)
+        for name in patch.__struct_fields__:
+            value = getattr(patch, name)
+            if value is not msgspec.UNSET:
+                setattr(self.hooks, name, value)
+        return web.Response(body=msgspec.json.encode(self.hooks), content_type=_JSON)
+
+    async def get_executions(self, request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(list(self.executions)), content_type=_JSON)
+
+    async def clear_executions(self, request: web.Request) -> web.Response:
+        self.executions.clear()
+        return web.Response(body=b"[]", content_type=_JSON)
 
     async def control(self, request: web.Request) -> web.Response:
         try:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,19 @@ class Fake:
         result: dict[str, int] = httpx.get(f"{self.url}/_fake/stats", timeout=5).json()
         return result
 
+    def hooks(self, **hooks: bool) -> dict[str, bool]:
+        """Switch the fake's test hooks (``track_executions``, ``body_overrides``)."""
+        resp = httpx.post(f"{self.url}/_fake/hooks", json=hooks, timeout=5)
+        resp.raise_for_status()
+        result: dict[str, bool] = resp.json()
+        return result
+
+    def executions(self) -> list[dict[str, Any]]:
+        """Every /v1 POST since ``track_executions`` was switched on: marker, stream, started,
+        ended, outcome."""
+        result: list[dict[str, Any]] = httpx.get(f"{self.url}/_fake/executions", timeout=5).json()
+        return result
+
 
 class System:
     def __init__(self, tmp_path: Path, redis_server: RedisServer) -> None:
@@ -160,6 +175,21 @@ class System:
     def restart(self, proc: Proc) -> Proc:
         proc.stop()
         return proc.start()
+
+    def api_url_of(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port(name)}"
+
+    def wait_api_ready(self, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
+        """Until an API process (started again after a stop or a kill) answers /readyz."""
+        _wait_http(f"{self.api_url_of(proc.name)}/readyz", proc, timeout)
+
+    @staticmethod
+    def worker_id(proc: Proc) -> str:
+        """The consumer name the worker process last started with (from its log)."""
+        found = re.findall(r"worker (\S+) serving node", proc.log())
+        if not found:
+            raise LookupError(f"{proc.name} has not started serving:\n{proc.log()}")
+        return str(found[-1])
 
     # --- Redis state ---------------------------------------------------------------------------
 
@@ -255,6 +285,69 @@ def _wait_http(url: str, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready:\n{proc.log()}")
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def redis_outage(system: System, seconds: float) -> None:
+    """SIGKILL Redis, keep it away ``seconds``, start it again on the same port and data dir
+    (with ``appendonly`` it comes back with what it held)."""
+    system.redis_server.stop(kill=True)
+    time.sleep(seconds)
+    system.redis_server.start()
+    system.redis.close()
+    system.redis = Redis.from_url(system.redis_server.url)
+
+
+def leftovers(system: System, providers: list[str], models: list[str]) -> dict[str, int]:
+    """Everything that should be zero once no request is open."""
+    state = {f"in_flight {p}": system.in_flight(p) for p in providers}
+    state |= {f"queued {m}": int(system.redis.zcard(keys.queue(m))) for m in models}
+    state |= {
+        "leases": int(system.redis.zcard(keys.LEASES)),
+        "jobs": int(system.redis.hlen(keys.JOBS)),
+        "bodies": int(system.redis.hlen(keys.BODIES)),
+        "deadlines": int(system.redis.zcard(keys.DEADLINES)),
+    }
+    return state
+
+
+def expected_pieces(tokens: int) -> list[str]:
+    return [f"tok{i} " if i < tokens - 1 else f"tok{i}" for i in range(tokens)]
+
+
+@dataclass
+class Planned:
+    """One chat request: its marker (the ``user`` field, which a fake provider with
+    ``track_executions`` logs), its API, whether it streams, and the provider's timings for
+    it alone (a fake provider with ``body_overrides``)."""
+
+    marker: str
+    api: str
+    stream: bool
+    delay_ms: int
+    tokens: int
+    interval_ms: int = 0
+    model: str = "m"
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "stream": self.stream, "user": self.marker,
+            "messages": [{"role": "user", "content": self.marker}],
+            "fake": {"delay_ms": self.delay_ms, "tokens": self.tokens, "token_interval_ms": self.interval_ms},
+        }
+
+    def send(self, timeout: float = 60) -> tuple[int, str]:
+        """Status and body text (a stream read to its end)."""
+        url = f"{self.api}/v1/chat/completions"
+        if not self.stream:
+            resp = httpx.post(url, json=self.body(), timeout=timeout)
+            return resp.status_code, resp.text
+        with httpx.stream("POST", url, json=self.body(), timeout=timeout) as resp:
+            return resp.status_code, resp.read().decode()
 
 
 def http_provider(pid: str, ptype: str, port: int, capacity: int, models: list[str], **extra: Any) -> dict[str, Any]:

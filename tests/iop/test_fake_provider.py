@@ -682,3 +682,79 @@ async def test_wrong_method(fake: Fake) -> None:
         assert resp.status == 405
         assert "POST" in resp.headers["Allow"]
         assert_openai_error(await resp.json())
+
+
+# --------------------------------------------------------------------------- hooks: executions, overrides
+
+
+async def test_hooks_are_off_by_default(fake: Fake) -> None:
+    async with fake.session.get("/_fake/hooks") as resp:
+        assert await resp.json() == {"track_executions": False, "body_overrides": False}
+    body = {"model": "m", "user": "r1", "fake": {"tokens": 1}}
+    status, answer = await post(fake, "/v1/chat/completions", body)
+    assert status == 200
+    # Without body_overrides the 'fake' object is an ordinary unknown field.
+    assert answer["choices"][0]["message"]["content"] == " ".join(f"tok{i}" for i in range(16))
+    async with fake.session.get("/_fake/executions") as resp:
+        assert await resp.json() == []
+
+
+async def test_executions_tracked_with_marker_and_outcome(fake: Fake) -> None:
+    status, hooks = await post(fake, "/_fake/hooks", {"track_executions": True})
+    assert (status, hooks) == (200, {"track_executions": True, "body_overrides": False})
+    before = time.time()
+    await post(fake, "/v1/chat/completions", {"model": "m", "user": "r1"})
+    async with fake.session.post("/v1/chat/completions", json={"model": "m", "user": "r2", "stream": True}) as resp:
+        await resp.read()
+    fake.options.delay_ms = 10_000
+    with pytest.raises(TimeoutError):
+        await post(fake, "/v1/completions", {"model": "m", "user": "r3"}, timeout=aiohttp.ClientTimeout(total=0.3))
+    await fake.wait_stats(in_flight=0)
+    async with fake.session.get("/_fake/executions") as resp:
+        executions = await resp.json()
+    assert [(e["marker"], e["path"], e["stream"], e["outcome"]) for e in executions] == [
+        ("r1", "/v1/chat/completions", False, "completed"),
+        ("r2", "/v1/chat/completions", True, "completed"),
+        ("r3", "/v1/completions", False, "disconnected"),
+    ]
+    for e in executions:
+        assert before <= e["started"] <= e["ended"] <= time.time()
+        assert isinstance(e["client_port"], int)
+    async with fake.session.delete("/_fake/executions") as resp:
+        assert resp.status == 200
+    async with fake.session.get("/_fake/executions") as resp:
+        assert await resp.json() == []
+
+
+async def test_body_overrides_per_request(fake: Fake) -> None:
+    await post(fake, "/_fake/hooks", {"body_overrides": True})
+    status, answer = await post(fake, "/v1/chat/completions", {"model": "m", "fake": {"tokens": 2}})
+    assert status == 200
+    assert answer["choices"][0]["message"]["content"] == "tok0 tok1"
+    # Only that request: the options themselves are unchanged.
+    assert fake.options.tokens == 16
+    started = time.monotonic()
+    body = {"model": "m", "stream": True, "fake": {"delay_ms": 150, "tokens": 3, "token_interval_ms": 50}}
+    async with fake.session.post("/v1/chat/completions", json=body) as resp:
+        events = sse_events(await resp.text())
+    assert time.monotonic() - started >= 0.25
+    contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert contents == ["", "tok0 ", "tok1 ", "tok2", None]
+    assert events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("overrides", [{"tokens": -1}, {"delay_ms": "1"}, {"nope": 1}, [1], 3])
+async def test_body_overrides_rejected_when_invalid(fake: Fake, overrides: Any) -> None:
+    await post(fake, "/_fake/hooks", {"body_overrides": True})
+    status, body = await post(fake, "/v1/chat/completions", {"model": "m", "fake": overrides})
+    assert status == 400
+    assert_openai_error(body)
+
+
+@pytest.mark.parametrize("patch", [{"track_executions": "yes"}, {"unknown": True}, [True]])
+async def test_hooks_reject_bad_input(fake: Fake, patch: Any) -> None:
+    status, body = await post(fake, "/_fake/hooks", patch)
+    assert status == 400
+    assert_openai_error(body)
+    async with fake.session.get("/_fake/hooks") as resp:
+        assert await resp.json() == {"track_executions": False, "body_overrides": False}
