@@ -22,7 +22,7 @@ from dispatcher import config as cfg
 
 def create_app(config: cfg.Config | None = None) -> Litestar:
     if config is None:
-        config = cfg.load(os.environ["IOP_CONFIG"])
+        config = cfg.load(os.environ["IOP_CONFIG"]).logged()
     gateway = Gateway(config)
 
     @asynccontextmanager

@@ -9,7 +9,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from redis.exceptions import RedisError
 
-from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError
+from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError, error_body
 
 log = logging.getLogger("iop.api")
 
@@ -37,22 +37,14 @@ def redis_error(_: Request[Any, Any, Any], exc: RedisError) -> Response[object]:
 
 def http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
     status = exc.status_code
-    body = {
-        "error": {
-            "message": exc.detail,
-            "type": _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
-            "param": None,
-            "code": _HTTP_CODES.get(status),
-        }
-    }
+    error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = error_body(exc.detail, error_type, code=_HTTP_CODES.get(status))
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
 
 
 def unexpected_error(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
     log.exception("unhandled error", exc_info=exc)
-    body = {"error": {"message": "Internal server error", "type": "server_error", "param": None,
-                      "code": "internal_error"}}
-    return Response(body, status_code=500)
+    return Response(error_body("Internal server error", "server_error", code="internal_error"), status_code=500)
 
 
 HANDLERS = {

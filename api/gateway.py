@@ -16,13 +16,15 @@ from redis.exceptions import RedisError
 
 from api.auth import KeyGuard, load_keys
 from api.metrics import RequestMetrics
-from api.replies import ReplyReader
+from api.streams import StreamSlots
+from api.waiting import ReplyReader
 from dispatcher import keys
+from dispatcher.api_side import ApiSide
 from dispatcher.config import Config
-from dispatcher.jobs import JobClient
 from dispatcher.plans import Plans
+from dispatcher.protocol import ScriptCalls
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import connect, connect_fast, server_warnings
+from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.scripts import Scripts
 
 log = logging.getLogger("iop.api")
@@ -32,17 +34,17 @@ class Gateway:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.replica_id = f"api-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.redis = connect(config.redis)
-        self.fast = connect_fast(config.redis)
-        self.scripts = Scripts(self.redis, self.fast)
-        self.plans = Plans(config)
-        self.jobs = JobClient(self.redis, self.scripts, config, self.plans, self.replica_id)
-        self.replies = ReplyReader(connect_fast(config.redis), keys.reply(self.replica_id))
-        self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.replica_id)
+        self.clients = Clients.open(config.redis)
+        self.redis = self.clients.control
+        self.scripts = Scripts(self.redis, self.clients.fast)
+        calls = ScriptCalls(self.scripts, config, Plans(config))
+        self.jobs = ApiSide(calls, self.redis, self.replica_id)
+        self.replies = ReplyReader(self.clients.blocking, keys.reply(self.replica_id))
+        self.reaper = Reaper(calls, self.redis, self.replica_id)
         self.models = {m.id: m for m in config.models}
-        self.metrics = RequestMetrics(set(self.models))
+        self.metrics = RequestMetrics()
         self.caller_keys = KeyGuard(load_keys(config.api.api_keys_env))
-        self.streams = 0  # streamed answers being relayed now (api.max_streams)
+        self.streams = StreamSlots(config.api.max_streams)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Job ids: a random prefix per process and a counter, unique without a syscall each.
         self._job_prefix = secrets.token_hex(8)
@@ -71,7 +73,7 @@ class Gateway:
         self._loops = [
             asyncio.create_task(self.replies.run(), name="iop-replies"),
             asyncio.create_task(self._heartbeat_loop(), name="iop-replica-heartbeat"),
-            asyncio.create_task(self._reap_loop(), name="iop-reaper"),
+            asyncio.create_task(self.reaper.run_forever(), name="iop-reaper"),
         ]
         log.info("API replica %s started", self.replica_id)
 
@@ -86,9 +88,7 @@ class Gateway:
             _, pending = await asyncio.wait(pending, timeout=0.5)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
-        await self.replies.conn.close()
-        await self.fast.close()
-        await self.redis.aclose()
+        await self.clients.aclose()
 
     async def ready(self) -> tuple[bool, str]:
         try:
@@ -109,12 +109,3 @@ class Gateway:
             except RedisError as exc:
                 log.warning("replica heartbeat failed: %s", exc)
             await asyncio.sleep(period)
-
-    async def _reap_loop(self) -> None:
-        period = self.config.dispatch.reap_interval_ms / 1000
-        while not self._closing:
-            await asyncio.sleep(period)
-            try:
-                await self.reaper.run_once()
-            except RedisError as exc:
-                log.warning("reaper round failed: %s", exc)

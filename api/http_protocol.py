@@ -2,28 +2,49 @@
 
 * **Header size.** httptools buffers a request's headers without bound; a client could
   send megabytes of them. Here the request line and headers together may take at most
-  ``IOP_MAX_HEADER_BYTES`` (set from ``api.max_header_bytes`` by ``iop api``); past that
-  the client gets ``431`` and the connection closes.
+  ``api.max_header_bytes``; past that the client gets ``431`` and the connection closes.
 * **Slow headers.** A client that opens a connection and trickles its headers ties up
   a connection for as long as it likes (slowloris). The headers must be complete within
-  ``IOP_HEADER_TIMEOUT_S``, else the client gets ``408`` and the connection closes.
+  ``api.header_timeout_s``, else the client gets ``408`` and the connection closes.
 
 The body is bounded by ``api.max_body_bytes`` (Litestar) and its arrival by
-``api.body_timeout_s`` (``api.relay``); idle keep-alive connections by uvicorn's own
+``api.body_timeout_s``; idle keep-alive connections by uvicorn's own
 ``timeout_keep_alive``.
+
+This subclasses a module uvicorn does not publish as API: pyproject.toml pins uvicorn to
+the releases it was tested with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import functools
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-DEFAULT_MAX_HEADER_BYTES = 16 * 1024
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+from dispatcher.config import ApiConfig
+from dispatcher.exceptions import error_body
+
 _END_OF_HEAD = b"\r\n\r\n"
+_TOO_LARGE = msgspec.json.encode(
+    error_body("Request headers too large", "invalid_request_error", code="headers_too_large")
+)
+_TOO_SLOW = msgspec.json.encode(error_body("Request headers too slow", "invalid_request_error", code="request_timeout"))
+
+
+def limited_protocol(api: ApiConfig) -> Callable[..., LimitedHttpToolsProtocol]:
+    """What uvicorn's ``http=`` takes: the protocol with the config's limits bound to it.
+
+    A partial, not a class with the limits set on it: ``--workers N`` starts the server
+    processes with multiprocessing's spawn, which pickles the partial with its arguments
+    but a class only by name, and so would lose anything set on it here.
+    """
+    return functools.partial(
+        LimitedHttpToolsProtocol, max_head_bytes=api.max_header_bytes, head_timeout_s=api.header_timeout_s
+    )
 
 
 def _reply_and_close(transport: asyncio.Transport, status: bytes, message: bytes) -> None:
@@ -35,11 +56,10 @@ def _reply_and_close(transport: asyncio.Transport, status: bytes, message: bytes
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    max_head_bytes = int(os.environ.get("IOP_MAX_HEADER_BYTES", DEFAULT_MAX_HEADER_BYTES))
-    head_timeout_s = float(os.environ.get("IOP_HEADER_TIMEOUT_S", DEFAULT_HEADER_TIMEOUT_S))
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_head_bytes: int, head_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.max_head_bytes = max_head_bytes
+        self.head_timeout_s = head_timeout_s
         self._in_head = True
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -58,9 +78,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_bytes += len(data) if end < 0 else end
             if self._head_bytes > self.max_head_bytes:
                 self._disarm_head_timer()
-                _reply_and_close(self.transport, b"431 Request Header Fields Too Large",
-                                 b'{"error": {"message": "Request headers too large", "type": '
-                                 b'"invalid_request_error", "param": null, "code": "headers_too_large"}}')
+                _reply_and_close(self.transport, b"431 Request Header Fields Too Large", _TOO_LARGE)
                 return
         super().data_received(data)
 
@@ -94,8 +112,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._in_head or self.transport.is_closing():
             return
         if self._head_bytes:
-            _reply_and_close(self.transport, b"408 Request Timeout",
-                             b'{"error": {"message": "Request headers too slow", "type": '
-                             b'"invalid_request_error", "param": null, "code": "request_timeout"}}')
+            _reply_and_close(self.transport, b"408 Request Timeout", _TOO_SLOW)
         else:
             self.transport.close()  # a connection that never sent a request

@@ -32,8 +32,7 @@ UNKNOWN = "_unknown"  # label for model ids outside the config: callers must not
 
 
 class RequestMetrics:
-    def __init__(self, known_models: set[str]) -> None:
-        self.known_models = known_models
+    def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -52,9 +51,6 @@ class RequestMetrics:
             "iop_stream_first_byte_seconds", "Time from request to the first streamed chunk",
             ["model", "provider"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-
-    def model_label(self, model: str | None) -> str:
-        return model if model in self.known_models else UNKNOWN
 
     def render(self, catalog: Catalog | None) -> bytes:
         if self.multiprocess:

@@ -1,5 +1,6 @@
 """The read-only operator surfaces: ``/catalog`` (JSON), ``/ui`` (a page over it) and
-``/metrics`` (Prometheus). Nothing here changes any state (D06)."""
+``/metrics`` (Prometheus). Nothing here changes any state: runtime
+control belongs elsewhere, so a read-only key can be handed out safely."""
 
 from __future__ import annotations
 

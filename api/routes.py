@@ -15,11 +15,6 @@ from dispatcher.exceptions import ModelNotFound
 
 _CREATED = int(time.time())
 
-_REQUEST_BODY = {
-    "description": "An OpenAI request body; only `model` and `stream` are read, the rest goes to the provider.",
-    "required": True,
-}
-
 
 def _gw(state: State) -> Gateway:
     gw: Gateway = state.gateway

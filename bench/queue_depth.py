@@ -26,12 +26,13 @@ from redis.asyncio import Redis
 from bench.stack import markdown_table, write_section
 from dispatcher import config as cfg
 from dispatcher import keys
+from dispatcher.api_side import ApiSide
 from dispatcher.events import Assignment
-from dispatcher.jobs import JobClient
 from dispatcher.plans import Plans
+from dispatcher.protocol import CancelReason, ScriptCalls
 from dispatcher.redis_conn import connect, connect_fast
 from dispatcher.scripts import Scripts
-from dispatcher.slots import NodeSlots
+from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
 
 COMMAND = "python -m bench.queue_depth"
@@ -45,16 +46,17 @@ async def server_usec(redis: Redis) -> float:
 
 async def measure(depth: int, calls: int) -> list[str]:
     with RedisServer() as server:
-        config = cfg.from_builtins({
+        config = cfg.parse({
             "queue": {"max_queue": 10**7, "queue_timeout_ms": 3_600_000},
             "models": [{"id": "m", "providers": {"p": "s"}}],
             "nodes": [{"id": "n1", "providers": [
                 {"id": "p", "type": "vllm", "base_url": "http://x", "capacity": 1, "models": ["s"]}]}],
-        })
+        }).config
         redis, fast = connect(server.url), connect_fast(server.url)
-        scripts, plans = Scripts(redis, fast), Plans(config)
-        jobs = JobClient(redis, scripts, config, plans, "bench")
-        slots = NodeSlots(redis, scripts, config, plans, "n1", fast)
+        scripts = Scripts(redis, fast)
+        script_calls = ScriptCalls(scripts, config, Plans(config))
+        jobs = ApiSide(script_calls, redis, "bench")
+        slots = WorkerSide(script_calls, redis, "n1", fast)
         model = config.models[0]
         await scripts.load()
         await slots.heartbeat("p", "available", [("capacity", 1)])
@@ -70,7 +72,7 @@ async def measure(depth: int, calls: int) -> list[str]:
             started = time.perf_counter()
             await jobs.submit(f"s{i}", model, BODY, "chat/completions", False)
             submit_rt.append(time.perf_counter() - started)
-            await jobs.cancel(f"s{i}", "m", "client")
+            await jobs.cancel(f"s{i}", "m", CancelReason.CLIENT)
         submit_server = await server_usec(redis)  # submit and cancel, averaged
 
         dispatch_rt = []

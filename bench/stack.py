@@ -4,9 +4,6 @@ API processes, started as real processes, plus CPU, memory and Redis counters to
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,7 +14,8 @@ from typing import Any
 import yaml
 from redis import Redis
 
-from iop.redis_server import RedisServer, die_with_parent, free_port
+from iop.processes import Child, stop_all, wait_port
+from iop.redis_server import RedisServer, free_port
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -53,23 +51,13 @@ def rss_mib(pid: int) -> float:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-
-@dataclass
 class Stack:
     """``with Stack(...) as s:`` starts everything; leaving stops it."""
 
     fakes: dict[str, list[str]]  # fake name -> extra `iop fake-provider` args
     capacity: int = 64
     api_workers: int = 1
-    procs: list[Proc] = field(default_factory=list)
+    procs: list[Child] = field(default_factory=list)
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="iop-bench-")))
 
     def __post_init__(self) -> None:
@@ -99,13 +87,13 @@ class Stack:
         config_path.write_text(yaml.safe_dump(self.config()))
         env = {**os.environ, "IOP_REDIS_URL": self.redis_server.url}
         for name, args in self.fakes.items():
-            self._spawn(f"fake-{name}", ["fake-provider", "--port", str(self.ports[name]),
-                                         "--models", f"served-{name}", *args], env)
-            _wait_port(self.ports[name])
+            fake = self._spawn(f"fake-{name}", ["fake-provider", "--port", str(self.ports[name]),
+                                                "--models", f"served-{name}", *args], env)
+            wait_port(fake, "127.0.0.1", self.ports[name])
         self._spawn("worker", ["worker", "--config", str(config_path), "--node", "n1", "--log-level", "warning"], env)
-        self._spawn("api", ["api", "--config", str(config_path), "--port", str(self.api_port),
-                            "--workers", str(self.api_workers), "--log-level", "warning"], env)
-        _wait_port(self.api_port)
+        api = self._spawn("api", ["api", "--config", str(config_path), "--port", str(self.api_port),
+                                  "--workers", str(self.api_workers), "--log-level", "warning"], env)
+        wait_port(api, "127.0.0.1", self.api_port)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             states = [self.redis.hget(f"{{iop}}:p:p-{name}", "health") for name in self.fakes]
@@ -114,21 +102,13 @@ class Stack:
             time.sleep(0.05)
         raise TimeoutError("providers did not become available")
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log = (self.dir / f"{name}.log").open("wb")
-        popen = subprocess.Popen([sys.executable, "-m", "iop", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                 preexec_fn=die_with_parent)
-        self.procs.append(Proc(name, popen))
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+        child = Child(name, [sys.executable, "-m", "iop", *args], env, log_path=self.dir / f"{name}.log").start()
+        self.procs.append(child)
+        return child
 
     def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
+        stop_all(reversed(self.procs), timeout=20)
         self.redis.close()
         self.redis_server.close()
 
@@ -147,17 +127,6 @@ class Stack:
     def commandstats(self) -> dict[str, int]:
         info = self.redis.info("commandstats")
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
-
-
-def _wait_port(port: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {port}")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -1,4 +1,4 @@
-"""The read-only provider catalog (S06-S08): what every provider of every pool looks
+"""The read-only provider catalog: what every provider of every pool looks
 like right now, read from Redis, so every API replica shows the same thing.
 
 Health uses exactly the dispatcher's rule (``lua/lib/pump.lua``): a provider is

@@ -24,7 +24,8 @@ Hierarchy::
 A ``RequestError`` carries everything the API needs to answer: HTTP status,
 ``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``.
 Workers send provider errors back to the API as events (``dispatcher.events``),
-so the same classes describe a failure on both sides of Redis.
+so the same classes describe a failure on both sides of Redis. ``error_body`` is the
+JSON of every OpenAI-style error answer, whether or not an exception carries it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class ConfigError(IopError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+def error_body(message: str, error_type: str, *, code: str | None, param: str | None = None) -> dict[str, object]:
+    """OpenAI's error answer: ``{"error": {"message", "type", "param", "code"}}``, all four always present."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
 class RequestError(IopError):
     status = 500
     type = "server_error"
@@ -70,7 +76,8 @@ class RequestError(IopError):
         self.headers: dict[str, str] = {}
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, code=self.code, param=self.param)
+
 
 
 class InvalidRequest(RequestError):

@@ -1,9 +1,11 @@
 """A lean Redis client for the request path.
 
-Measured on this kind of machine (``bench/redis_client.py``): an EVALSHA through
-redis-py's asyncio client costs 87-172 µs of client CPU; through this client 8-19 µs.
-Every request makes four or five Redis calls on its path, so that difference is most of
-a millisecond of latency and most of the CPU the API and the workers spend per request.
+Measured with ``bench/redis_client.py`` (docs/BENCHMARKS.md, "Redis client"): an EVALSHA
+of a script that returns at once costs 162 µs of client CPU through redis-py's asyncio
+client one call at a time, and 149 µs per call with 32 callers at once; through this
+client 85 µs and 16 µs (the 32 callers share writes, see auto-pipelining below). Every
+request makes several Redis calls on its path, so that difference is a large part of the
+CPU the API and the workers spend per request.
 
 What it does, and nothing more:
 

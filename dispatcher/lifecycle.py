@@ -1,4 +1,5 @@
-"""Coarse model-lifecycle capability flags per provider type (D05: flags only, no actions).
+"""Coarse model-lifecycle capability flags per provider type (flags only: iop reports what a
+runtime could do, it never loads or unloads models itself).
 
 | type       | list | load | unload | pull | delete |
 |------------|------|------|--------|------|--------|

@@ -18,16 +18,14 @@ import logging
 from dataclasses import dataclass
 from typing import cast
 
+import anyio
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatcher import events, keys
-from dispatcher.config import Config
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
-from dispatcher.jobs import REPLY_KEEP_MS, JobClient
-from dispatcher.plans import Plan, Plans
-from dispatcher.scripts import Scripts
+from dispatcher.protocol import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
 
@@ -50,29 +48,38 @@ class ReapStats:
     new_server: bool = False
     replicas: int = 0
     orphans: int = 0
-    corrected: list[tuple[str, int, int]] | None = None
+    corrected: list[Correction] | None = None
 
 
 class Reaper:
-    def __init__(self, redis: Redis, scripts: Scripts, config: Config, plans: Plans, owner: str) -> None:
+    def __init__(self, calls: ScriptCalls, redis: Redis, owner: str) -> None:
+        self.calls = calls
         self.redis = redis
-        self.scripts = scripts
-        self.config = config
-        self.plans = plans
+        self.config = calls.config
         self.owner = owner
-        self.jobs = JobClient(redis, scripts, config, plans, owner)
         self.rounds = 0
-        self.provider_ids = [p.id for _, p in config.providers()]
+        self.provider_ids = [p.id for _, p in self.config.providers()]
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
         )
+
+    async def run_forever(self) -> None:
+        """A round every ``reap_interval_ms`` (when this process wins the lock), for good."""
+        period = self.config.dispatch.reap_interval_ms / 1000
+        while True:
+            await anyio.sleep(period)
+            try:
+                await self.run_once()
+            except RedisError as exc:
+                log.warning("reaper round failed: %s", exc)
 
     async def run_once(self) -> ReapStats | None:
         """One round, if no other process holds the round lock; None when skipped."""
         interval = self.config.dispatch.reap_interval_ms
         if not await self.redis.set(keys.REAPER_LOCK, self.owner, nx=True, px=interval):
             return None
-        now, gap_ms, new_server = await self.open_round()
+        round_ = await self.open_round()
+        now, gap_ms, new_server = round_.now_ms, round_.gap_ms, round_.new_server
         if gap_ms or new_server:
             log.warning("%s: every lease and replica gets a fresh period before anyone is judged",
                         "Redis is a new server (restart or failover)" if new_server
@@ -86,14 +93,11 @@ class Reaper:
         self.rounds += 1
         return stats
 
-    async def reconcile(self) -> list[tuple[str, int, int]]:
+    async def reconcile(self) -> list[Correction]:
         """Set in_flight to the live leases of every configured provider; the corrections."""
-        flat = await self.scripts.reconcile(
-            [*keys.JOB_KEYS, *(keys.provider(p) for p in self.provider_ids)], self.provider_ids
-        )
-        fixes = [(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
-        for provider, old, new in fixes:
-            log.warning("in_flight of %s was %d, live leases say %d: corrected", provider, old, new)
+        fixes = await self.calls.reconcile(self.provider_ids)
+        for fix in fixes:
+            log.warning("in_flight of %s was %d, live leases say %d: corrected", fix.provider, fix.old, fix.new)
         return fixes
 
     async def forget_departed_consumers(self) -> int:
@@ -114,15 +118,10 @@ class Reaper:
         sec, usec = await self.redis.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    async def open_round(self) -> tuple[int, int, bool]:
-        """Server time, gap since the last round (ms; -1: none recorded), server changed."""
+    async def open_round(self) -> Round:
+        """Open a round (``lua/reap_round.lua``): server time, gap, and whether the server changed."""
         run_id = str((await self.redis.info("server")).get("run_id", ""))
-        d = self.config.dispatch
-        now, gap, changed = await self.scripts.reap_round(
-            [keys.LEASES, keys.REPLICAS, keys.REAPER_SEEN],
-            [d.observation_gap_ms, d.lease_ms, d.replica_ttl_ms, run_id],
-        )
-        return int(now), int(gap), bool(changed)
+        return await self.calls.reap_round(run_id)
 
     async def reap_leases(self, now: int) -> dict[str, int]:
         """Leases past expiry: the slot comes back; the job is retried or failed."""
@@ -139,20 +138,10 @@ class Reaper:
             rec = decode_record(raw)
             if rec.provider is None or rec.node is None:
                 continue
-            plan: Plan = self.plans.by_provider.get(rec.provider, self.plans.empty)
-            ks, head = plan.args(
-                (*keys.PUMP_KEYS, keys.node(rec.node), keys.reply(rec.replica), keys.replica_jobs(rec.replica),
-                 keys.provider(rec.provider), keys.queue(rec.model), keys.REAPER_SEEN),
-                self.config.dispatch.lease_ms,
-            )
-            outcome, _ = await self.scripts.reap_lease(
-                ks, [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, self._lost_event, REPLY_KEEP_MS,
-                     self.config.dispatch.observation_gap_ms, events.REQUEUED]
-            )
-            name = cast(bytes, outcome).decode()
-            outcomes[name] = outcomes.get(name, 0) + 1
-            if name != "skip":
-                log.warning("lease of job %s on %s expired: %s", job, rec.provider, name)
+            outcome = await self.calls.reap_lease(job, rec, rec.provider, rec.node, self._lost_event)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if outcome != ReapOutcome.SKIP:
+                log.warning("lease of job %s on %s expired: %s", job, rec.provider, outcome)
         return outcomes
 
     async def reap_replicas(self, now: int) -> int:
@@ -188,4 +177,4 @@ class Reaper:
                     await self.redis.zrem(keys.DEADLINES, job)
                 continue
             rec = decode_record(raw)
-            await self.jobs.cancel(job, rec.model, "client", rec.replica)
+            await self.calls.cancel(job, rec.model, rec.replica, CancelReason.CLIENT)

@@ -8,6 +8,7 @@ Redis says it moved.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -39,6 +40,24 @@ SOCKET_TIMEOUT_S = 5.0
 
 __all__ = ["BLOCK_MS", "DEFAULT_URL", "SOCKET_TIMEOUT_S", "LocatedConnection", "LocatedSSLConnection",
            "blocking_timeout", "connect", "connect_fast", "server_warnings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Clients:
+    """The three clients of an iop process, made alike by the API and the worker."""
+
+    control: Redis  # redis-py: everything off the request path (pub/sub included)
+    fast: FastRedis  # the request path's scripts and appends
+    blocking: FastRedis  # XREAD/XREADGROUP BLOCK holds its connection until entries come
+
+    @classmethod
+    def open(cls, redis: RedisConfig) -> Clients:
+        return cls(connect(redis), connect_fast(redis), connect_fast(redis))
+
+    async def aclose(self) -> None:
+        await self.blocking.close()
+        await self.fast.close()
+        await self.control.aclose()
 
 
 def connect(redis: str | RedisConfig | None, *, max_connections: int = 256) -> Redis:

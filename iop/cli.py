@@ -26,9 +26,10 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
 
 def _load(path: str) -> cfg.Config:
     try:
-        return cfg.load(path)
+        loaded = cfg.load(path)
     except ConfigError as exc:
         _exit_with_problems(path, exc)
+    return loaded.logged()
 
 
 def _exit_with_problems(path: str, exc: ConfigError) -> NoReturn:
@@ -40,7 +41,7 @@ def _exit_with_problems(path: str, exc: ConfigError) -> NoReturn:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     try:
-        config, warnings = cfg.load_with_warnings(args.file)
+        config, warnings = cfg.load(args.file)
     except ConfigError as exc:
         _exit_with_problems(args.file, exc)
     if warnings:
@@ -59,10 +60,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_migrate(args: argparse.Namespace) -> int:
-    from dispatcher import legacy
+    from iop.migrate import migrate
 
     try:
-        text = legacy.migrate_file(args.file)
+        text = migrate(args.file)
     except ConfigError as exc:
         _exit_with_problems(args.file, exc)
     sys.stdout.write(text)

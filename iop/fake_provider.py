@@ -1,5 +1,7 @@
 """A fake OpenAI-compatible upstream: the provider of the tests, the demo (``iop up``) and the benchmarks.
 
+``iop fake-provider`` runs it from the command line; tests start it in-process with ``start``.
+
 It answers ``/v1/chat/completions``, ``/v1/completions`` (JSON and SSE streams),
 ``/v1/embeddings`` and ``/v1/models`` the way an OpenAI-compatible server does, imitates
 the health/probe endpoints of vLLM, SGLang, Ollama and Lemonade, and can be told at run
@@ -36,7 +38,6 @@ options for that request alone.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
@@ -53,7 +54,7 @@ from typing import Annotated, Any, Final
 import msgspec
 from aiohttp import web
 
-__all__ = ["FakeOptions", "create_app", "main", "run", "start"]
+__all__ = ["FakeOptions", "create_app", "run", "start"]
 
 
 def _default_models() -> list[str]:
@@ -720,30 +721,3 @@ def run(host: str, port: int, options: FakeOptions) -> None:
     """Serve until SIGINT/SIGTERM (blocking); prints one line once listening."""
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(_serve(host, port, options))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m iop.fake_provider``: run a fake provider from the command line."""
-    parser = argparse.ArgumentParser(
-        prog="python -m iop.fake_provider", description="Run a fake OpenAI-compatible upstream."
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--delay-ms", type=int, default=0)
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--token-interval-ms", type=int, default=0)
-    parser.add_argument("--model", action="append", dest="models", help="repeat for several models")
-    parser.add_argument("--api-key", default=None)
-    args = parser.parse_args(argv)
-    options = FakeOptions(
-        delay_ms=args.delay_ms,
-        tokens=args.tokens,
-        token_interval_ms=args.token_interval_ms,
-        models=args.models or _default_models(),
-        api_key=args.api_key,
-    )
-    run(args.host, args.port, options)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import cast
 
 import anyio
 import uvicorn
 
+from api.http_protocol import limited_protocol
 from dispatcher.config import Config
 
 
@@ -20,12 +23,10 @@ def configure_logging(level: str) -> None:
 
 def serve_api(config: Config, config_path: str, *, host: str, port: int, workers: int, log_level: str) -> None:
     configure_logging(log_level)
-    # Server processes (one or many) build the app from this file, and read the HTTP
-    # limits from the environment (api.http_protocol) before they import the protocol.
+    # Server processes (one or many) build the app from this file.
     os.environ["IOP_CONFIG"] = os.path.abspath(config_path)
-    os.environ["IOP_MAX_HEADER_BYTES"] = str(config.api.max_header_bytes)
-    os.environ["IOP_HEADER_TIMEOUT_S"] = str(config.api.header_timeout_s)
-    from api.http_protocol import LimitedHttpToolsProtocol
+    # uvicorn only calls what `http` names, so a factory serves, though its type asks for a class.
+    http = cast("type[asyncio.Protocol]", limited_protocol(config.api))
 
     with _metrics_dir(workers):
         uvicorn.run(
@@ -35,7 +36,7 @@ def serve_api(config: Config, config_path: str, *, host: str, port: int, workers
             port=port,
             workers=workers if workers > 1 else None,
             loop="uvloop",
-            http=LimitedHttpToolsProtocol,
+            http=http,
             log_level=log_level,
             access_log=False,
             timeout_graceful_shutdown=10,

@@ -12,42 +12,33 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from types import FrameType
 from urllib.parse import urlsplit
 
 from dispatcher.config import Config
-from iop.redis_server import RedisServer, die_with_parent, free_port
+from iop.processes import Child, stop_all, wait_http, wait_port
+from iop.redis_server import RedisServer, free_port
 
-START_TIMEOUT_S = 30.0
+# A draining worker may finish its running jobs first.
+STOP_TIMEOUT_S = 40.0
 
 
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM arrived while starting up."""
 
 
-@dataclass
-class Child:
-    role: str
-    what: str
-    proc: subprocess.Popen[bytes]
-
-
 class Supervisor:
     def __init__(self) -> None:
-        self.children: list[Child] = []
+        # By role, in the order they start.
+        self.children: dict[str, list[Child]] = {"fake": [], "worker": [], "api": []}
         self.redis: RedisServer | None = None
         self.stopping = False
 
     def spawn(self, role: str, what: str, argv: list[str], env: dict[str, str]) -> Child:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        child = Child(role, what, proc)
-        self.children.append(child)
+        child = Child(f"{role} {what}", argv, env, own_session=True).start()
+        self.children[role].append(child)
         return child
 
     def checkpoint(self) -> None:
@@ -55,52 +46,14 @@ class Supervisor:
             raise Interrupted
 
     def dead_child(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
+        return next((c for group in self.children.values() for c in group if not c.alive()), None)
 
     def stop(self) -> None:
         # API first (no new requests), then workers (they drain), then the fakes, Redis last.
-        for roles in (("api",), ("worker",), ("fake",)):
-            group = [c for c in self.children if c.role in roles and c.proc.poll() is None]
-            for child in group:
-                child.proc.send_signal(signal.SIGTERM)
-            for child in group:
-                try:
-                    child.proc.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+        for role in ("api", "worker", "fake"):
+            stop_all(self.children[role], timeout=STOP_TIMEOUT_S)
         if self.redis is not None:
             self.redis.close()
-
-
-def _wait_port(sup: Supervisor, host: str, port: int, child: Child, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sup.checkpoint()
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.role} {child.what} exited with status {child.proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{child.role} {child.what} did not listen on {host}:{port} within {timeout}s")
-
-
-def _wait_ready(sup: Supervisor, url: str, child: Child, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sup.checkpoint()
-        if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.role} exited with status {child.proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -158,14 +111,14 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
                     "--delay-ms", str(fake.delay_ms), "--tokens", str(fake.tokens),
                     "--token-interval-ms", str(fake.token_interval_ms), "--models", ",".join(models)]
             child = sup.spawn("fake", f"http://{fake.host}:{fake.port}", argv, env)
-            _wait_port(sup, fake.host, fake.port, child)
+            wait_port(child, fake.host, fake.port, checkpoint=sup.checkpoint)
             lines.append(f"  fake     http://{fake.host}:{fake.port} serving {', '.join(models) or '-'}")
 
         for node in config.nodes:
             sup.checkpoint()
             child = sup.spawn("worker", node.id, [py, "-m", "iop", "worker", "--config", config_path,
                                                   "--node", node.id], env)
-            lines.append(f"  worker   node {node.id} (pid {child.proc.pid}): "
+            lines.append(f"  worker   node {node.id} (pid {child.pid}): "
                          + ", ".join(f"{p.id} [{p.type}, capacity {p.capacity}]" for p in node.providers))
 
         if not _port_free(host, port):
@@ -173,8 +126,8 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         api = sup.spawn("api", f"http://{host}:{port}", [py, "-m", "iop", "api", "--config", config_path,
                                                          "--host", host, "--port", str(port),
                                                          "--workers", str(api_workers)], env)
-        _wait_ready(sup, f"http://{host}:{port}/readyz", api)
-        lines.insert(0, f"  api      http://{host}:{port}/v1 ({api_workers} process(es), pid {api.proc.pid})")
+        wait_http(api, f"http://{host}:{port}/readyz", checkpoint=sup.checkpoint)
+        lines.insert(0, f"  api      http://{host}:{port}/v1 ({api_workers} process(es), pid {api.pid})")
 
         model = config.models[0].id if config.models else "MODEL"
         print("iop is up", *lines, sep="\n")
@@ -186,7 +139,7 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         while not sup.stopping:
             dead = sup.dead_child()
             if dead is not None:
-                print(f"{dead.role} {dead.what} exited with status {dead.proc.returncode}; stopping",
+                print(f"{dead.name} exited with status {dead.returncode}; stopping",
                       file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.2)

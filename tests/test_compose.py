@@ -140,7 +140,7 @@ def depends_on(svc: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: Path) -> cfg.Config:
-    return cfg.load(path)
+    return cfg.load(path).config
 
 
 # --------------------------------------------------------------------------- nginx helpers
@@ -663,7 +663,7 @@ def check_dockerignore(text: str) -> None:
                  ".pytest_cache/v/cache", ".mypy_cache/3.11/x.json", ".ruff_cache/CACHEDIR.TAG"):
         assert dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
     for path in ("pyproject.toml", "README.md", "lua/submit.lua", "deploy/iop.yaml", "iop/cli.py",
-                 "dispatcher/config.py", "api/app.py", "workers/worker.py"):
+                 "dispatcher/config/__init__.py", "api/app.py", "workers/worker.py"):
         assert (ROOT / path).exists(), f"{path} moved: update this test"
         assert not dockerignored(path, patterns), f".dockerignore leaves out {path}, which the image needs"
 

@@ -9,7 +9,8 @@ from redis.exceptions import RedisError
 
 from dispatcher import events
 from dispatcher.events import Assignment, Chunks, Done, End, Meta, Start
-from dispatcher.slots import NodeSlots
+from dispatcher.protocol import EmitOutcome
+from dispatcher.worker_side import WorkerSide
 
 log = logging.getLogger("iop.worker")
 
@@ -45,8 +46,8 @@ class RedisSink:
     retry is either a duplicate the API drops or the first copy.
     """
 
-    def __init__(self, slots: NodeSlots, job: Assignment, node_id: str, hold_s: float = 0.0) -> None:
-        self.slots = slots
+    def __init__(self, side: WorkerSide, job: Assignment, node_id: str, hold_s: float = 0.0) -> None:
+        self.side = side
         self.job = job
         self.meta = Meta(job.provider, node_id, job.target, job.queue_ms, job.attempt)
         self.status = 200
@@ -97,12 +98,12 @@ class RedisSink:
                 self._pending, self._pending_bytes = [], 0
             seq, batch = self._unacked
             if seq == 0:
-                outcome = await self.slots.emit(self.job, events.encode(Start(self.meta, self.status, batch)))
-                if outcome != "ok":
+                outcome = await self.side.emit(self.job, events.encode(Start(self.meta, self.status, batch)))
+                if outcome != EmitOutcome.OK:
                     raise JobAborted(outcome)
                 self.started = True
             else:
-                await self.slots.chunks(self.job, events.encode(Chunks(batch, seq)))
+                await self.side.chunks(self.job, events.encode(Chunks(batch, seq)))
             self._unacked = None
         if self._failing_since is not None:
             log.info("job %s: Redis is back after %.1f s; held output written", self.job.job,

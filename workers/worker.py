@@ -9,7 +9,7 @@ Built from small loops that run side by side in one task group:
 * ``_cancel_listener`` abort a running job when its API says the client left
 * ``_renew_loop``     extend the leases of running jobs a third of a lease after the last
                       success (sooner after a failure), each call bounded well under that
-* ``_reap_loop``      the shared maintenance round (``dispatcher.reaper``)
+* ``Reaper.run_forever`` the shared maintenance round (``dispatcher.reaper``)
 * ``_watch_signals``  SIGTERM/SIGINT: stop taking jobs, let running ones finish within
                       ``drain_grace_s``, cancel the rest, exit
 
@@ -33,12 +33,14 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 import anyio
 from anyio.abc import TaskGroup
 from redis.exceptions import RedisError
 
 from dispatcher import events, keys
+from dispatcher.backoff import Backoff
 from dispatcher.config import Config, NodeConfig
 from dispatcher.events import Assignment, Failed
 from dispatcher.exceptions import (
@@ -51,10 +53,11 @@ from dispatcher.exceptions import (
 )
 from dispatcher.jsonbody import with_model
 from dispatcher.plans import Plans
+from dispatcher.protocol import FinishOutcome, ScriptCalls
 from dispatcher.reaper import Reaper
-from dispatcher.redis_conn import BLOCK_MS, blocking_timeout, connect, connect_fast, server_warnings
+from dispatcher.redis_conn import BLOCK_MS, Clients, blocking_timeout, server_warnings
 from dispatcher.scripts import Scripts
-from dispatcher.slots import NodeSlots
+from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import ENDPOINTS, Adapter, ProbeResult, ProviderCall
 from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import new_session
@@ -69,6 +72,7 @@ OUTAGE_LEASES = 2
 
 
 RunKey = tuple[str, int]  # (job id, fence)
+StreamReply = list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None  # of XREADGROUP
 
 
 @dataclass
@@ -95,14 +99,12 @@ class Worker:
         self.config = config
         self.node: NodeConfig = node
         self.worker_id = f"{node_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.redis = connect(config.redis)
-        self.fast = connect_fast(config.redis)
-        # XREADGROUP BLOCK holds its connection until jobs come: a connection of its own.
-        self.stream_conn = connect_fast(config.redis)
-        self.scripts = Scripts(self.redis, self.fast)
-        self.plans = Plans(config)
-        self.slots = NodeSlots(self.redis, self.scripts, config, self.plans, node_id, self.fast)
-        self.reaper = Reaper(self.redis, self.scripts, config, self.plans, self.worker_id)
+        self.clients = Clients.open(config.redis)
+        self.redis = self.clients.control
+        self.scripts = Scripts(self.redis, self.clients.fast)
+        calls = ScriptCalls(self.scripts, config, Plans(config))
+        self.side = WorkerSide(calls, self.redis, node_id, self.clients.fast)
+        self.reaper = Reaper(calls, self.redis, self.worker_id)
         self.adapters: dict[str, Adapter] = {}
         # Redis hands a new entry to whichever consumer is blocked reading. A worker that
         # froze mid-read must stop being one well before its leases expire, or it would
@@ -137,7 +139,7 @@ class Worker:
             for warning in await server_warnings(self.redis):
                 log.warning("%s", warning)
             await self.scripts.load()
-            await self.slots.ensure_group()
+            await self.side.ensure_group()
             await self.reaper.reconcile()
             log.info("worker %s serving node %s: %s", self.worker_id, self.node.id,
                      ", ".join(f"{p.id}({p.type}, capacity {p.capacity})" for p in self.node.providers))
@@ -146,7 +148,7 @@ class Worker:
                 tg.start_soon(self._provider_loops)
                 tg.start_soon(self._cancel_listener)
                 tg.start_soon(self._renew_loop)
-                tg.start_soon(self._reap_loop)
+                tg.start_soon(self.reaper.run_forever)
                 async with anyio.create_task_group() as jobs:
                     await self._consume(jobs)
                     await self._drain(jobs)
@@ -156,9 +158,7 @@ class Worker:
             for adapter in self.adapters.values():
                 await adapter.aclose()
             await session.close()
-            await self.stream_conn.close()
-            await self.fast.close()
-            await self.redis.aclose()
+            await self.clients.aclose()
         log.info("worker %s stopped", self.worker_id)
 
     def stop(self) -> None:
@@ -183,7 +183,7 @@ class Worker:
         with anyio.CancelScope(shield=True):
             for provider in self.node.providers:
                 try:
-                    await self.slots.heartbeat(provider.id, "unavailable", [("reason", "worker draining")])
+                    await self.side.heartbeat(provider.id, "unavailable", [("reason", "worker draining")])
                 except RedisError as exc:
                     log.warning("could not mark %s draining: %s", provider.id, exc)
             # Jobs dispatched here before the mark took effect go back to their queue now,
@@ -201,9 +201,9 @@ class Worker:
         mine = {r.job.entry_id for r in self.running.values()}
         for start_id in ("0", ">"):  # delivered to this consumer and still pending; then new
             try:
-                batch = await self.stream_conn.execute(
+                batch = await self.clients.blocking.execute(
                     "XREADGROUP", "GROUP", keys.NODE_GROUP, self.worker_id, "COUNT", 1000,
-                    "STREAMS", self.slots.node_key, start_id,
+                    "STREAMS", self.side.node_key, start_id,
                 )
             except RedisError as exc:
                 log.warning("could not hand back undelivered jobs: %s (their leases will)", exc)
@@ -218,49 +218,75 @@ class Worker:
         lost = Failed.from_error(WorkerLost("the worker shut down before the job started"))
         await self._finish(Running(job), None, lost, requeue=True)
 
+    async def _settle_ghosts(self) -> None:
+        """Hand back node stream entries delivered to this worker that it does not run.
+
+        A finish (or a hand-back) that a Redis failover lost leaves its entry pending here
+        and its lease on the new primary: nobody would renew it, and its slot would stay
+        taken until the lease ran out. Entries younger than a third of a lease are left
+        alone: they may be on their way to a run.
+        """
+        idle_ms = max(self.config.dispatch.lease_ms // 3, 1000)
+        try:
+            pending = await self.redis.xpending_range(
+                self.side.node_key, keys.NODE_GROUP, "-", "+", 100, consumername=self.worker_id, idle=idle_ms
+            )
+            mine = {r.job.entry_id.encode() for r in self.running.values()}
+            ghosts = [p["message_id"] for p in pending if p["message_id"] not in mine]
+            for entry_id in ghosts:
+                entries = await self.redis.xrange(self.side.node_key, entry_id, entry_id)
+                if not entries:
+                    await self.redis.xack(self.side.node_key, keys.NODE_GROUP, entry_id)
+                    continue
+                found_id, fields = cast(tuple[bytes, dict[bytes, bytes]], entries[0])
+                job = Assignment.from_entry(found_id, fields)
+                log.warning("job %s: delivered here but not running (a lost finish?); handing it back", job.job)
+                await self._hand_back(job)
+        except RedisError as exc:
+            log.info("could not look for lost finishes: %s", exc)
+
     async def _leave_group(self) -> None:
         """A worker that exits cleanly leaves the node's consumer group (if it holds nothing)."""
         try:
             pending = await self.redis.xpending_range(
-                self.slots.node_key, keys.NODE_GROUP, "-", "+", 1, consumername=self.worker_id
+                self.side.node_key, keys.NODE_GROUP, "-", "+", 1, consumername=self.worker_id
             )
             if not pending:
-                await self.redis.xgroup_delconsumer(self.slots.node_key, keys.NODE_GROUP, self.worker_id)
+                await self.redis.xgroup_delconsumer(self.side.node_key, keys.NODE_GROUP, self.worker_id)
         except RedisError as exc:
             log.info("could not leave the consumer group: %s", exc)
 
     async def _wait_for_redis(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 await self.redis.ping()
                 return
             except RedisError as exc:
                 log.warning("waiting for Redis: %s", exc)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     # --- jobs ---------------------------------------------------------------------------
 
     async def _consume(self, jobs: TaskGroup) -> None:
-        delay = 0.1
+        # Short: after a failover, new dispatches wait on this read.
+        backoff = Backoff(0.1, 0.5)
         assert self._consume_scope is not None
         with self._consume_scope:
             while not self.draining:
                 try:
-                    batch: list[tuple[bytes, list[tuple[bytes, list[bytes]]]]] | None = await self.stream_conn.execute(
+                    batch: StreamReply = await self.clients.blocking.execute(
                         "XREADGROUP", "GROUP", keys.NODE_GROUP, self.worker_id, "COUNT", READ_BATCH,
-                        "BLOCK", self._block_ms, "STREAMS", self.slots.node_key, ">",
+                        "BLOCK", self._block_ms, "STREAMS", self.side.node_key, ">",
                         reply_within=blocking_timeout(self._block_ms),
                     )
-                    delay = 0.1
+                    backoff.reset()
                 except RedisError as exc:
                     if "NOGROUP" in str(exc):
-                        await self.slots.ensure_group()
+                        await self.side.ensure_group()
                         continue
                     log.warning("reading node stream failed: %s", exc)
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
+                    await backoff.sleep()
                     continue
                 for _stream, entries in batch or []:
                     for entry_id, fields in entries:
@@ -277,7 +303,7 @@ class Worker:
         self.running[running.key] = running
         if self._idle is None or self._idle.is_set():
             self._idle = anyio.Event()
-        sink = RedisSink(self.slots, job, self.node.id, self._hold_s)
+        sink = RedisSink(self.side, job, self.node.id, self._hold_s)
         final: events.Event | None = None
         try:
             if self.early_cancels.pop(job.job, None) is not None:
@@ -339,14 +365,14 @@ class Worker:
         its lease is renewed whenever Redis answers)."""
         job = running.job
         data = events.encode(final) if final is not None else None
-        delay = 0.05
+        backoff = Backoff(0.05, 0.5)
         failing_since: float | None = None
         while True:
             try:
                 if sink is not None and data is not None and not requeue:
                     await sink.flush()
-                outcome = await self.slots.finish(job, data, requeue=requeue)
-                if outcome not in ("released", "stale"):
+                outcome = await self.side.finish(job, data, requeue=requeue)
+                if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     log.info("job %s given up at shutdown: %s", job.job, outcome)
                 return
             except JobAborted as exc:
@@ -360,8 +386,7 @@ class Worker:
                     # The lease runs out and the reaper settles the job instead.
                     log.error("job %s: could not release (%s); leaving it to the lease", job.job, exc)
                     return
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                await backoff.sleep()
 
     # --- cancellation and leases ------------------------------------------------------------
 
@@ -378,12 +403,12 @@ class Worker:
                 del self.early_cancels[jid]
 
     async def _cancel_listener(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 0.5)
         while True:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(keys.cancel_channel(self.node.id))
-                delay = 0.1
+                backoff.reset()
                 # Cancels published while this worker was not subscribed (a Redis outage)
                 # were missed: a renewal now reports them (state 'c') instead of in a third
                 # of a lease.
@@ -396,8 +421,7 @@ class Worker:
             finally:
                 with anyio.CancelScope(shield=True):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await backoff.sleep()
 
     def renew_now(self) -> None:
         if self._renew_soon is not None:
@@ -419,26 +443,18 @@ class Worker:
             started = time.monotonic()
             runs = list(self.running.values())
             try:
-                aborts = await self.slots.renew([r.key for r in runs], reply_within=timeout)
+                aborts = await self.side.renew([r.key for r in runs], reply_within=timeout)
             except RedisError as exc:
                 log.warning("lease renewal failed: %s", exc)
                 next_at = started + retry
                 continue
             next_at = started + period
-            for job_id, fence, reason in aborts:
-                running = self.running.get((job_id, fence))
+            await self._settle_ghosts()
+            for abort in aborts:
+                running = self.running.get((abort.job, abort.fence))
                 if running is not None:
-                    log.info("job %s: aborting (%s)", job_id, reason)
-                    running.abort(reason)
-
-    async def _reap_loop(self) -> None:
-        period = self.config.dispatch.reap_interval_ms / 1000
-        while True:
-            await anyio.sleep(period)
-            try:
-                await self.reaper.run_once()
-            except RedisError as exc:
-                log.warning("reaper round failed: %s", exc)
+                    log.info("job %s: aborting (%s)", abort.job, abort.reason)
+                    running.abort(abort.reason)
 
     # --- providers ----------------------------------------------------------------------------
 
@@ -490,4 +506,4 @@ class Worker:
             ("loaded_models", json.dumps(result.loaded) if result.loaded is not None else ""),
             ("worker", self.worker_id),
         ]
-        await self.slots.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
+        await self.side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)

@@ -2,7 +2,7 @@
 -- lib/jobs.lua by scripts.py, never run alone).
 --
 -- A script that includes this file takes, besides KEYS[1..4] of lib/jobs.lua:
---   KEYS[5] fence counter  one INCR per dispatch: the fencing token of that dispatch
+--   KEYS[5] fence counter  one INCR per dispatch (floored at 10 x server ms): the fencing token
 --   ARGV[1] plan: JSON list of groups {"m": model, "q": qkey, "c": [[provider, served, pkey, nkey, node], ...]}
 --           where qkey/pkey/nkey are key positions relative to ARGV[2]
 --   ARGV[2] offset of the plan's keys in KEYS
@@ -82,7 +82,14 @@ local function pump(now)
       redis.call('ZREM', DEADLINES, job)
       return false
     end
+    -- Never below ten per millisecond of server time: a failover that loses the last
+    -- writes rolls the counter back, and a fence handed out again would let a run the new
+    -- primary forgot pass for the one it dispatches now. (14 digits: exact in cjson.)
     local fence = redis.call('INCR', FENCE)
+    if fence < now * 10 then
+      fence = now * 10
+      redis.call('SET', FENCE, fence)
+    end
     redis.call('ZREM', DEADLINES, job)
     redis.call('HINCRBY', pkey, 'in_flight', 1)
     state(pkey).inf = state(pkey).inf + 1

@@ -31,7 +31,7 @@ def make_config(redis_url: str, **overrides: Any) -> cfg.Config:
             {"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9", "models": ["served-m"]}]}],
     }
     raw.update(overrides)
-    return cfg.from_builtins(raw)
+    return cfg.parse(raw).config
 
 
 @pytest.fixture

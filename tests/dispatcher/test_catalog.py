@@ -23,7 +23,7 @@ def catalog_config() -> cfg.Config:
         return {"id": pid, "type": ptype, "base_url": "http://127.0.0.1:1", "capacity": cap, "models": models,
                 **extra}
 
-    return cfg.from_builtins({
+    return cfg.parse({
         "models": [
             {"id": "qwen", "display_name": "Qwen", "providers": {"up": "qwen-up", "sick": "qwen-sick",
                                                                  "ghost": "qwen-ghost"}},
@@ -42,7 +42,7 @@ def catalog_config() -> cfg.Config:
                 http("stale", "openai_api", 8, ["cloud-stale"]),
             ]},
         ],
-    })
+    }).config
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Cluster-safe keys (issue 6, item 3): every script touches only keys it was given in
 KEYS, and every key iop uses carries the one hash tag ``{iop}``.
 
-A scenario drives every script through the real callers (``JobClient``, ``NodeSlots``,
+A scenario drives every script through the real callers (``ApiSide``, ``WorkerSide``,
 ``Reaper``) while a ``MONITOR`` connection of its own records every command the server
 runs. The script calls are sequential, so in the monitor stream the commands a script
 runs (client ``lua``) come right after its ``EVALSHA``. For each of those inner
@@ -31,9 +31,10 @@ from redis.exceptions import ResponseError
 from dispatcher import config as cfg
 from dispatcher import events, keys
 from dispatcher.events import Assignment, Meta, Start
+from dispatcher.protocol import Abort, AbortReason, CancelReason
 from dispatcher.reaper import Reaper
 from dispatcher.scripts import NAMES, Scripts
-from dispatcher.slots import NodeSlots
+from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
 from tests.dispatcher.test_scripts import Harness
 
@@ -219,12 +220,12 @@ CONFIG = {
 
 class Scenario:
     def __init__(self, redis: Redis) -> None:
-        self.config = cfg.from_builtins(CONFIG)
+        self.config = cfg.parse(CONFIG).config
         self.h = Harness(redis, self.config)
         self.redis = redis
         self.n1 = self.h.node
-        self.n2 = NodeSlots(redis, self.n1.scripts, self.config, self.n1.plans, "n2")
-        self.reaper = Reaper(redis, self.n1.scripts, self.config, self.n1.plans, "reaper-1")
+        self.n2 = WorkerSide(self.h.calls, redis, "n2")
+        self.reaper = Reaper(self.h.calls, redis, "reaper-1")
         self.outcomes: list[tuple[str, Any]] = []
 
     def note(self, what: str, outcome: Any) -> Any:
@@ -246,7 +247,7 @@ class Scenario:
                 out[a.job] = a
         return out
 
-    def slots_of(self, a: Assignment) -> NodeSlots:
+    def slots_of(self, a: Assignment) -> WorkerSide:
         return self.n1 if a.provider in ("a", "b") else self.n2
 
     async def submit(self, model: str) -> tuple[str, str]:
@@ -263,9 +264,9 @@ class Scenario:
 
     async def reap(self) -> dict[str, int]:
         """A reaper round's lease step (the round opened by reap_round, as run_once does)."""
-        now, gap, _ = self.note("reap round", await self.reaper.open_round())
-        assert gap == 0, "the scenario's first round was opened at its start"
-        return await self.reaper.reap_leases(now)
+        round_ = self.note("reap round", await self.reaper.open_round())
+        assert round_.gap_ms == 0, "the scenario's first round was opened at its start"
+        return await self.reaper.reap_leases(round_.now_ms)
 
     async def run(self) -> None:
         h, api = self.h, self.h.api
@@ -300,19 +301,19 @@ class Scenario:
         # cancel of a waiting job: timeout before its deadline waits, the client's removes.
         queued_m2, status = await self.submit("m2")
         assert status == "queued"
-        assert self.note("cancel wait", (await api.cancel(queued_m2, "m2", "timeout")).outcome) == "wait"
-        assert self.note("cancel queued", (await api.cancel(queued_m2, "m2", "client")).outcome) == "removed"
-        assert self.note("cancel gone", (await api.cancel(queued_m2, "m2", "client")).outcome) == "gone"
+        assert self.note("cancel wait", (await api.cancel(queued_m2, "m2", CancelReason.TIMEOUT)).outcome) == "wait"
+        assert self.note("cancel queued", (await api.cancel(queued_m2, "m2", CancelReason.CLIENT)).outcome) == "removed"
+        assert self.note("cancel gone", (await api.cancel(queued_m2, "m2", CancelReason.CLIENT)).outcome) == "gone"
 
         # cancel of a running job: a timeout keeps it, the client's tells its node; then it
         # finishes and the slot goes to a waiting m2 job.
         waiting_m2, status = await self.submit("m2")
         assert status == "queued"
         on_c = by_provider["c"][0]
-        assert self.note("cancel running", (await api.cancel(on_c, "m1", "timeout")).outcome) == "running"
-        assert self.note("cancel client", (await api.cancel(on_c, "m1", "client")).outcome) == "cancelling"
+        assert self.note("cancel running", (await api.cancel(on_c, "m1", CancelReason.TIMEOUT)).outcome) == "running"
+        assert self.note("cancel client", (await api.cancel(on_c, "m1", CancelReason.CLIENT)).outcome) == "cancelling"
         assert self.note("renew cancelled", await self.n2.renew([(on_c, run[on_c].fence)])) == [
-            (on_c, run[on_c].fence, "cancelled")]
+            Abort(on_c, run[on_c].fence, AbortReason.CANCELLED)]
         assert await self.finish(on_c) == "released"
         assert waiting_m2 in await self.running()
 
@@ -322,7 +323,7 @@ class Scenario:
         await anyio.sleep(0.12)
         assert await self.finish(on_a) == "released"  # pumps m1 and m3: m3's head expired
         assert (await h.record(late)).state == "x"
-        assert self.note("cancel expired", (await api.cancel(late, "m3", "timeout")).outcome) == "expired"
+        assert self.note("cancel expired", (await api.cancel(late, "m3", CancelReason.TIMEOUT)).outcome) == "expired"
 
         # reap_lease: a lease without output is requeued (and dispatched again) ...
         run = await self.running()

@@ -7,6 +7,7 @@ from redis.asyncio import Redis
 
 from dispatcher import events, keys
 from dispatcher.events import Failed, Meta, Requeued, Start
+from dispatcher.protocol import Abort, AbortReason, CancelReason, Correction
 from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper
 from tests.dispatcher.test_scripts import Harness, make_config
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.anyio
 
 
 def reaper_of(h: Harness, owner: str = "reaper-1") -> Reaper:
-    return Reaper(h.redis, h.node.scripts, h.config, h.node.plans, owner)
+    return Reaper(h.calls, h.redis, owner)
 
 
 async def reap(reaper: Reaper) -> dict[str, int]:
@@ -111,7 +112,7 @@ async def test_attempts_are_bounded(h: Harness) -> None:
 async def test_lost_cancelled_job_is_dropped_silently(h: Harness) -> None:
     await h.up("a")
     job, _ = await h.submit("m")
-    assert (await h.api.cancel(job, "m", "client")).outcome == "cancelling"
+    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "cancelling"
     await expire_lease(h, job)
     reaper = reaper_of(h)
     assert await reap(reaper) == {"dropped": 1}
@@ -139,7 +140,7 @@ async def test_dead_replica_jobs_are_cancelled(h: Harness) -> None:
     assert (await h.record(running)).state == "c"
     # Its worker learns at the next renewal (or on the cancel channel) and releases.
     a = await h.assignment(running)
-    assert await h.node.renew([(running, a.fence)]) == [(running, a.fence, "cancelled")]
+    assert await h.node.renew([(running, a.fence)]) == [Abort(running, a.fence, AbortReason.CANCELLED)]
     await h.node.finish(a, None)
     assert await h.in_flight("a") == 0
     assert await reaper.reap_replicas(await reaper.now_ms()) == 1
@@ -165,7 +166,7 @@ async def test_reconcile_sets_in_flight_to_the_live_leases(h: Harness) -> None:
     await h.set_in_flight("a", 5)
     await h.redis.zadd(keys.LEASES, {"ghost-job": 10**15})  # a lease no record backs
     reaper = reaper_of(h)
-    assert await reaper.reconcile() == [("a", 5, 1)]
+    assert await reaper.reconcile() == [Correction("a", 5, 1)]
     assert await h.in_flight("a") == 1
     assert await h.redis.zscore(keys.LEASES, "ghost-job") is None
     assert await reaper.reconcile() == []
@@ -227,5 +228,5 @@ async def test_a_new_server_refreshes_expiries_and_reconciles(h: Harness) -> Non
     assert stats.new_server
     assert stats.gap_ms == 0
     assert stats.leases == {}
-    assert stats.corrected == [("a", 0, 1)]
+    assert stats.corrected == [Correction("a", 0, 1)]
     assert await h.in_flight("a") == 1

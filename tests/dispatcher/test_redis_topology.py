@@ -58,12 +58,12 @@ def _need_redis_cli() -> None:
 
 
 def iop_config(redis: dict[str, Any]) -> cfg.Config:
-    return cfg.from_builtins({
+    return cfg.parse({
         "redis": redis,
         "models": [{"id": "m", "providers": {"p": "served-m"}}],
         "nodes": [{"id": "n", "providers": [
             {"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9", "models": ["served-m"]}]}],
-    })
+    }).config
 
 
 @pytest.fixture(autouse=True)
@@ -221,8 +221,8 @@ async def test_both_clients_run_scripts_through_a_seed_that_does_not_own_iop(
     assert await submit(gw) == "queued"  # no provider is up: it waits in the queue
     await use_both_clients(gw)
     owner = any_cluster.owner_of_iop()
-    assert int(await gw.fast.execute("EVAL", WRITE, 1, "{iop}:who", "x")) == owner.port
-    assert await primary_of(gw.fast) == address(owner)
+    assert int(await gw.clients.fast.execute("EVAL", WRITE, 1, "{iop}:who", "x")) == owner.port
+    assert await primary_of(gw.clients.fast) == address(owner)
 
 
 async def test_a_resharding_of_the_iop_slot(any_cluster: RedisCluster) -> None:
@@ -311,7 +311,7 @@ async def test_a_manual_failover_is_followed_without_an_error(
     assert new is replica
     # The connections still open to the old owner get MOVED: both clients follow it at once.
     await use_both_clients(gw, "after")
-    assert await primary_of(gw.fast) == address(new)
+    assert await primary_of(gw.clients.fast) == address(new)
 
 
 def _cluster_failover(replica: RedisServer) -> None:
@@ -328,7 +328,7 @@ async def test_both_clients_recover_when_the_owner_is_killed(
     replica = cluster.replica_of(owner)
     cluster.kill(owner)
     took = await eventually(lambda: use_both_clients(gw, "recovered"), RECOVERY_S)
-    assert await primary_of(gw.fast) == address(replica)
+    assert await primary_of(gw.clients.fast) == address(replica)
     assert took < RECOVERY_S
 
 
@@ -418,8 +418,8 @@ async def test_sentinel_discovery_from_the_sentinels_alone(
     assert await submit(gw) == "queued"
     await use_both_clients(gw)
     master = any_sentinels.current_master()
-    assert await primary_of(gw.fast) == address(master)
-    assert int(await gw.fast.execute("EVAL", WRITE, 1, "{iop}:who", "x")) == master.port
+    assert await primary_of(gw.clients.fast) == address(master)
+    assert int(await gw.clients.fast.execute("EVAL", WRITE, 1, "{iop}:who", "x")) == master.port
 
 
 async def test_sentinel_failover_demotes_the_master_and_clients_follow(
@@ -434,7 +434,7 @@ async def test_sentinel_failover_demotes_the_master_and_clients_follow(
         await client.replicaof(new.host, new.port)
     # The old master is up and holds the clients' connections: writes there get READONLY.
     await use_both_clients(gw, "after")
-    assert await primary_of(gw.fast) == address(new)
+    assert await primary_of(gw.clients.fast) == address(new)
 
 
 async def test_sentinel_master_killed_and_clients_recover(
@@ -445,7 +445,7 @@ async def test_sentinel_master_killed_and_clients_recover(
     old = sentinels.kill_master()
     survivor = next(s for s in sentinels.servers if s is not old)
     took = await eventually(lambda: use_both_clients(gw, "recovered"), DOWN_AFTER_MS / 1000 + 10)
-    assert await primary_of(gw.fast) == address(survivor)
+    assert await primary_of(gw.clients.fast) == address(survivor)
     assert took < DOWN_AFTER_MS / 1000 + 10
 
 

@@ -11,18 +11,19 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
+from dispatcher.api_side import ApiSide
 from dispatcher.events import Assignment, decode_record
-from dispatcher.jobs import JobClient
 from dispatcher.plans import Plans
+from dispatcher.protocol import Abort, AbortReason, CancelReason, ScriptCalls
 from dispatcher.scripts import Scripts
-from dispatcher.slots import NodeSlots
+from dispatcher.worker_side import WorkerSide
 
 pytestmark = pytest.mark.anyio
 
 
 def make_config(providers: dict[str, int], models: dict[str, list[str]], **queue: Any) -> cfg.Config:
     """Providers (id -> capacity) on node n1, served as '<model>@<provider>'."""
-    return cfg.from_builtins(
+    return cfg.parse(
         {
             "queue": queue,
             "nodes": [
@@ -42,7 +43,7 @@ def make_config(providers: dict[str, int], models: dict[str, list[str]], **queue
             ],
             "models": [{"id": m, "providers": {p: f"{m}@{p}" for p in ps}} for m, ps in models.items()],
         }
-    )
+    ).config
 
 
 class Harness:
@@ -51,8 +52,10 @@ class Harness:
         self.config = config
         scripts = Scripts(redis)
         plans = Plans(config)
-        self.api = JobClient(redis, scripts, config, plans, "rep1")
-        self.node = NodeSlots(redis, scripts, config, plans, "n1")
+        self.scripts = scripts
+        self.calls = ScriptCalls(scripts, config, plans)
+        self.api = ApiSide(self.calls, redis, "rep1")
+        self.node = WorkerSide(self.calls, redis, "n1")
 
     async def up(self, pid: str, health: str = "available") -> None:
         prov = next(p for _, p in self.config.providers() if p.id == pid)
@@ -91,7 +94,7 @@ def harness(any_redis: Redis) -> Any:
     return lambda config: Harness(any_redis, config)
 
 
-# --- S04: selection ------------------------------------------------------------------
+# --- selection: lowest in_flight/capacity ------------------------------------------------------------------
 
 async def chosen(h: Harness, model: str = "m") -> str:
     job, status = await h.submit(model)
@@ -228,7 +231,7 @@ async def test_expired_head_is_dropped_not_dispatched(harness: Any) -> None:
     # The freed slot skipped the expired job and went to the next one.
     assert [a.job for a in await h.assignments()] == [fresh]
     assert (await h.record(late)).state == "x"
-    cancelled = await h.api.cancel(late, "m", "timeout")
+    cancelled = await h.api.cancel(late, "m", CancelReason.TIMEOUT)
     assert cancelled.outcome == "expired"
     assert await h.record(late) is None
 
@@ -236,7 +239,7 @@ async def test_expired_head_is_dropped_not_dispatched(harness: Any) -> None:
 async def test_timeout_before_the_deadline_says_wait(harness: Any) -> None:
     h = harness(make_config({"a": 1}, {"m": ["a"]}, queue_timeout_ms=60_000))
     job, _ = await h.submit("m")
-    result = await h.api.cancel(job, "m", "timeout")
+    result = await h.api.cancel(job, "m", CancelReason.TIMEOUT)
     assert result.outcome == "wait"
     assert 0 < result.wait_ms <= 60_000
     assert await h.queued("m") == [job]
@@ -247,7 +250,7 @@ async def test_timeout_of_a_dispatched_job_keeps_it_running(harness: Any) -> Non
     await h.up("a")
     job, _ = await h.submit("m")
     await anyio.sleep(0.01)
-    assert (await h.api.cancel(job, "m", "timeout")).outcome == "running"
+    assert (await h.api.cancel(job, "m", CancelReason.TIMEOUT)).outcome == "running"
     assert await h.in_flight("a") == 1
 
 
@@ -306,11 +309,11 @@ async def test_duplicate_job_id_is_refused(harness: Any) -> None:
 async def test_cancel_of_a_waiting_job_removes_it(harness: Any) -> None:
     h = harness(make_config({"a": 1}, {"m": ["a"]}))
     job, _ = await h.submit("m")
-    assert (await h.api.cancel(job, "m", "client")).outcome == "removed"
+    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "removed"
     assert await h.queued("m") == []
     assert await h.record(job) is None
     assert await h.redis.scard(keys.replica_jobs("rep1")) == 0
-    assert (await h.api.cancel(job, "m", "client")).outcome == "gone"
+    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "gone"
 
 
 async def test_cancel_of_a_running_job_tells_its_node(harness: Any) -> None:
@@ -320,13 +323,13 @@ async def test_cancel_of_a_running_job_tells_its_node(harness: Any) -> None:
     pubsub = h.redis.pubsub()
     await pubsub.subscribe(keys.cancel_channel("n1"))
     await pubsub.get_message(timeout=1)  # subscribe confirmation
-    assert (await h.api.cancel(job, "m", "client")).outcome == "cancelling"
+    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "cancelling"
     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
     assert msg is not None
     assert msg["data"] == job.encode()
     await pubsub.aclose()
     a = await h.assignment(job)
-    assert await h.node.renew([(job, a.fence)]) == [(job, a.fence, "cancelled")]
+    assert await h.node.renew([(job, a.fence)]) == [Abort(job, a.fence, AbortReason.CANCELLED)]
     assert await h.node.emit(a, b"start") == "cancelled"
     # The worker then finishes: the slot is back, and no event goes to the departed client.
     assert await h.node.finish(a, b"final") == "released"
@@ -343,7 +346,7 @@ async def test_emit_and_renew_refuse_a_stale_fence(harness: Any) -> None:
     assert (await h.record(job)).output_started == 1
     stale = Assignment(**{**{f: getattr(a, f) for f in a.__struct_fields__}, "fence": a.fence + 100})
     assert await h.node.emit(stale, b"start") == "stale"
-    assert await h.node.renew([(job, a.fence + 100)]) == [(job, a.fence + 100, "stale")]
+    assert await h.node.renew([(job, a.fence + 100)]) == [Abort(job, a.fence + 100, AbortReason.STALE)]
     assert await h.node.finish(stale, b"x") == "stale"
     assert await h.in_flight("a") == 1
     assert await h.node.renew([(job, a.fence)]) == []

@@ -11,8 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,62 +23,18 @@ import yaml
 from redis import Redis
 
 from dispatcher import keys
+from iop.processes import START_TIMEOUT_S, Child, wait_http, wait_port
 from iop.redis_server import RedisServer, free_port
 
-START_TIMEOUT_S = 30.0
 
+class Proc(Child):
+    """A process of the system, its output in ``<log_dir>/<name>.log``.
 
-class Proc:
+    Started without PR_SET_PDEATHSIG: a test may start one from a thread that ends before
+    the process should."""
+
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Proc:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, signum: int) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signum)
-
-    def wait(self, timeout: float = 60.0) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        """SIGKILL: the process gets no chance to clean up."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.alive():
-            self.proc.terminate()
-            try:
-                return self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        super().__init__(name, argv, env, log_path=log_dir / f"{name}.log", die_with_parent=False)
 
 
 class Fake:
@@ -154,7 +108,7 @@ class System:
     def fake(self, name: str, *args: str) -> Fake:
         port = self.port(name)
         proc = self._spawn(f"fake-{name}", ["fake-provider", "--port", str(port), *args])
-        _wait_port(port, proc)
+        wait_port(proc, "127.0.0.1", port)
         fake = Fake(proc, port)
         self.fakes[name] = fake
         return fake
@@ -167,7 +121,7 @@ class System:
         proc = self._spawn(name, ["api", "--config", str(self.config_path), "--port", str(port),
                                   "--workers", str(workers)])
         url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/readyz", proc)
+        wait_http(proc, f"{url}/readyz")
         if not self.api_url:
             self.api_url = url
         return proc
@@ -181,7 +135,7 @@ class System:
 
     def wait_api_ready(self, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
         """Until an API process (started again after a stop or a kill) answers /readyz."""
-        _wait_http(f"{self.api_url_of(proc.name)}/readyz", proc, timeout)
+        wait_http(proc, f"{self.api_url_of(proc.name)}/readyz", timeout=timeout)
 
     @staticmethod
     def worker_id(proc: Proc) -> str:
@@ -258,33 +212,6 @@ class InFlightSampler(threading.Thread):
             values = self.redis.eval(script, len(provider_keys), *provider_keys)
             self.samples.append({p: int(v or 0) for p, v in zip(self.providers, values, strict=True)})
             time.sleep(self.pause_s)
-
-
-def _wait_port(port: int, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{proc.name} did not listen on {port}:\n{proc.log()}")
-
-
-def _wait_http(url: str, proc: Proc, timeout: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.log()}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready:\n{proc.log()}")
 
 
 def sse_payloads(text: str) -> list[str]:

@@ -33,7 +33,7 @@ CAPACITY = {"p1": 4, "p2": 2, "p3": 3}
 # Clear answers a caller may get while workers die under it.
 ACCEPTED_ERRORS = {"worker_lost", "provider_error", "queue_timeout"}
 # Keys that hold configuration or provider state and live on with no TTL.
-PERSISTENT = ("{iop}:p:", "{iop}:n:", "{iop}:seq", "{iop}:fence", "{iop}:replicas")
+PERSISTENT = ("{iop}:p:", "{iop}:n:", "{iop}:seq", "{iop}:fence", "{iop}:replicas", "{iop}:reaper:seen")
 
 
 @pytest.fixture

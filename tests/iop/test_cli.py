@@ -289,7 +289,7 @@ def test_demo_config_pools_and_fakes() -> None:
     from dispatcher import config as cfg
 
     raw = yaml.safe_load(DEMO_CONFIG.read_text())
-    config = cfg.load(DEMO_CONFIG)
+    config = cfg.load(DEMO_CONFIG).config
     providers = {p.id: p for _, p in config.providers()}
     fakes = {(f.host, f.port) for f in config.demo.fake_providers}
     assert len(fakes) == len(config.demo.fake_providers), "two fakes on one port"

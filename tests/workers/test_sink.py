@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError, RedisError
 
 from dispatcher import events, keys
 from dispatcher.events import Assignment, Chunks, Start
-from dispatcher.slots import NodeSlots
+from dispatcher.worker_side import WorkerSide
 from tests.dispatcher.test_scripts import Harness, make_config
 from workers import sink as sink_module
 from workers.sink import RedisSink
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.anyio
 
 
 class FlakySlots:
-    """Real NodeSlots, but a write can be refused (Redis away) or have its reply lost."""
+    """Real WorkerSide, but a write can be refused (Redis away) or have its reply lost."""
 
-    def __init__(self, real: NodeSlots) -> None:
+    def __init__(self, real: WorkerSide) -> None:
         self.real = real
         self.down = False
         self.lose_next_reply = False

@@ -6,7 +6,8 @@ produces them for a streamed one. Failures are raised as
 :class:`dispatcher.exceptions.ProviderError` subclasses: ``ProviderRejected`` for the
 provider's own 4xx (passed through to the caller), ``ProviderTimeout`` when
 ``timeout_s`` runs out, ``ProviderUnreachable`` for everything else. Adapters never
-rewrite model ids: the body already names the served target (D03).
+rewrite model ids: the body already names the served target (the rewrite from
+the caller's model id happens once, at dispatch).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from dispatcher.config import ProviderConfig
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from dispatcher.jsonbody import is_json_object
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
-from workers.probes import probe_http
-from workers.sse import SSEParser
+from workers.adapters.probes import probe_http
+from workers.adapters.sse import SSEParser
 
 HttpSession = aiohttp.ClientSession
 

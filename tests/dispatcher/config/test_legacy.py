@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from dispatcher import config as cfg
-from dispatcher import legacy
+from dispatcher.config import legacy
 from dispatcher.exceptions import ConfigError, ConfigProblem
 
 # --------------------------------------------------------------------------- helpers
@@ -85,7 +85,7 @@ def pool_shape() -> dict[str, Any]:
 
 def problems_of(raw: Any) -> list[ConfigProblem]:
     with pytest.raises(ConfigError) as info:
-        cfg.from_builtins_with_warnings(raw)
+        cfg.parse(raw)
     assert info.value.problems, "ConfigError raised without problems"
     return info.value.problems
 
@@ -105,7 +105,7 @@ def _no_redis_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_one_route_becomes_a_one_provider_model_group() -> None:
-    config, warnings = cfg.from_builtins_with_warnings(one_route())
+    config, warnings = cfg.parse(one_route())
     assert [m.id for m in config.models] == ["llama3"]
     assert config.models[0].providers == {"ollama-local": "llama3:8b"}
     (node, prov), *rest = list(config.providers())
@@ -123,11 +123,11 @@ def test_one_route_loads_like_its_pool_shape_equivalent() -> None:
         "nodes": [{"id": "n1", "providers": [{"id": "ollama-local", "category": "local_inference",
                                               "models": ["llama3:8b"], **ollama()}]}],
     }
-    assert cfg.from_builtins(one_route()) == cfg.from_builtins(new_shape)
+    assert cfg.parse(one_route()).config == cfg.parse(new_shape).config
 
 
 def test_several_routes_on_one_instance() -> None:
-    config = cfg.from_builtins(several_routes_one_instance())
+    config = cfg.parse(several_routes_one_instance()).config
     assert [(m.id, m.providers) for m in config.models] == [
         ("llama3", {"ollama-local": "llama3:8b"}),
         ("qwen", {"ollama-local": "qwen3.6:35b"}),
@@ -141,7 +141,7 @@ def test_several_routes_on_one_instance() -> None:
 
 
 def test_routes_across_nodes_keep_node_ownership_and_settings() -> None:
-    config = cfg.from_builtins(routes_across_nodes())
+    config = cfg.parse(routes_across_nodes()).config
     assert [m.id for m in config.models] == ["llama3", "qwen", "gpt", "claude"]
     owners = {p.id: n.id for n, p in config.providers()}
     assert owners == {"gpu1-ollama": "gpu1", "gpu2-vllm": "gpu2", "hosted": "gpu2", "claude-cli": "gpu2"}
@@ -169,7 +169,7 @@ def test_category_derived_from_type(ptype: str, category: str) -> None:
     else:
         adapter["base_url"] = "http://h:1"
     raw["nodes"][0]["adapters"]["ollama-local"] = adapter
-    prov = cfg.from_builtins(raw).nodes[0].providers[0]
+    prov = cfg.parse(raw).config.nodes[0].providers[0]
     assert prov.category == category
     assert prov.effective_category == category
 
@@ -177,7 +177,7 @@ def test_category_derived_from_type(ptype: str, category: str) -> None:
 def test_unset_adapter_settings_take_the_provider_defaults() -> None:
     raw = one_route()
     raw["nodes"][0]["adapters"]["ollama-local"] = {"type": "ollama", "base_url": "http://h:1"}
-    prov = cfg.from_builtins(raw).nodes[0].providers[0]
+    prov = cfg.parse(raw).config.nodes[0].providers[0]
     defaults = cfg.ProviderConfig(id="x", type="ollama")
     assert (prov.capacity, prov.timeout_s, prov.api_key_env, prov.command) == (
         defaults.capacity, defaults.timeout_s, defaults.api_key_env, defaults.command)
@@ -186,13 +186,13 @@ def test_unset_adapter_settings_take_the_provider_defaults() -> None:
 def test_instance_without_routes_is_still_a_provider() -> None:
     raw = one_route()
     raw["nodes"][0]["adapters"]["spare"] = ollama(models=["phi3"])
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     assert [p.id for p in config.nodes[0].providers] == ["ollama-local", "spare"]
     assert config.nodes[0].providers[1].models == ["phi3"]
 
 
 def test_mixed_file() -> None:
-    config, warnings = cfg.from_builtins_with_warnings(mixed())
+    config, warnings = cfg.parse(mixed())
     # models[] first, then the routes in order; providers[] first, then the instances.
     assert [(m.id, m.providers) for m in config.models] == [
         ("qwen", {"p-vllm": "Qwen/Qwen3-8B"}),
@@ -217,26 +217,26 @@ def test_route_to_a_pool_provider_needs_the_target_listed() -> None:
 
 
 def test_empty_legacy_sections_are_accepted() -> None:
-    config, warnings = cfg.from_builtins_with_warnings({"openai": {}, "nodes": [{"id": "n1", "adapters": {}}]})
+    config, warnings = cfg.parse({"openai": {}, "nodes": [{"id": "n1", "adapters": {}}]})
     assert config.models == []
     assert config.nodes[0].providers == []
     assert warnings == []
-    assert cfg.from_builtins({"openai": {"model_routes": []}}).models == []
+    assert cfg.parse({"openai": {"model_routes": []}}).config.models == []
 
 
 def test_input_is_not_modified() -> None:
     raw = mixed()
     before = copy.deepcopy(raw)
-    cfg.from_builtins(raw)
+    cfg.parse(raw)
     assert raw == before
 
 
 def test_redis_env_override_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
-    assert cfg.from_builtins(one_route()).redis.url == "redis://override:6380/3"
+    assert cfg.parse(one_route()).config.redis.url == "redis://override:6380/3"
 
 
-def test_load_and_decode_from_yaml(tmp_path: Path) -> None:
+def test_load_from_yaml(tmp_path: Path) -> None:
     text = """
 openai:
   model_routes:
@@ -253,18 +253,16 @@ nodes:
 """
     path = tmp_path / "legacy.yaml"
     path.write_text(text)
-    config, warnings = cfg.load_with_warnings(path)
-    assert config == cfg.from_builtins(one_route())
-    assert cfg.decode_with_warnings(text) == (config, warnings)
-    assert cfg.load(path) == config
-    assert cfg.decode(text.encode()) == config
+    config, warnings = cfg.load(path)
+    assert config == cfg.parse(one_route()).config
+    assert warnings == cfg.parse(one_route()).warnings
 
 
 # --------------------------------------------------------------------------- warnings
 
 
 def test_every_legacy_entry_is_warned_by_name() -> None:
-    _, warnings = cfg.from_builtins_with_warnings(routes_across_nodes())
+    _, warnings = cfg.parse(routes_across_nodes())
     assert warnings == [
         "$.openai.model_routes[0] (llama3): legacy route; use models[] (id 'llama3', providers "
         "{gpu1-ollama: llama3:8b}) — run 'iop config migrate'",
@@ -285,11 +283,11 @@ def test_every_legacy_entry_is_warned_by_name() -> None:
     ]
 
 
-def test_plain_entry_points_log_the_warnings(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_logged_logs_the_warnings(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """What a process that loads the file to run does: says so at start-up."""
     path = tmp_path / "legacy.yaml"
     path.write_bytes(msgspec.yaml.encode(one_route()))
-    for load in (lambda: cfg.from_builtins(one_route()), lambda: cfg.decode(path.read_bytes()),
-                 lambda: cfg.load(path)):
+    for load in (lambda: cfg.parse(one_route()).logged(), lambda: cfg.load(path).logged()):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="iop.config"):
             load()
@@ -300,18 +298,20 @@ def test_plain_entry_points_log_the_warnings(caplog: pytest.LogCaptureFixture, t
         assert all("iop config migrate" in r.getMessage() for r in records)
 
 
-def test_with_warnings_variants_do_not_log(caplog: pytest.LogCaptureFixture) -> None:
+def test_parse_and_load_do_not_log(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    path = tmp_path / "legacy.yaml"
+    path.write_bytes(msgspec.yaml.encode(one_route()))
     with caplog.at_level(logging.WARNING, logger="iop.config"):
-        cfg.from_builtins_with_warnings(one_route())
-        cfg.decode_with_warnings(msgspec.yaml.encode(one_route()))
+        cfg.parse(one_route())
+        cfg.load(path)
     assert [r for r in caplog.records if r.name == "iop.config"] == []
 
 
 def test_pool_shape_has_no_warnings(caplog: pytest.LogCaptureFixture) -> None:
     raw = pool_shape()
     with caplog.at_level(logging.WARNING, logger="iop.config"):
-        assert cfg.from_builtins_with_warnings(raw)[1] == []
-        cfg.from_builtins(raw)
+        assert cfg.parse(raw).warnings == []
+        cfg.parse(raw).logged()
     assert caplog.records == []
 
 

@@ -1,4 +1,4 @@
-"""Health probes of every runtime (``workers/probes.py``) through the adapters that use them.
+"""Health probes of every runtime (``workers/adapters/probes.py``) through the adapters that use them.
 
 HTTP types run against the project's fake provider (started in-process on a free port), a
 small aiohttp app imitating the runtimes that records what it was asked (paths, order,
@@ -30,11 +30,11 @@ from aiohttp import web
 from dispatcher.config import HTTP_TYPES, ProviderConfig
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
-from workers import probes
+from workers.adapters import probes
 from workers.adapters.base import ProbeResult
 from workers.adapters.cli import ENV_PASSTHROUGH, CliAdapter
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
-from workers.probes import HTTP_PROBES
+from workers.adapters.probes import HTTP_PROBES
 
 pytestmark = pytest.mark.anyio
 
@@ -227,8 +227,8 @@ async def probe(provider_type: str, url: str, session: aiohttp.ClientSession, ti
 def test_probes_module_imports_on_its_own() -> None:
     # A fresh interpreter, so that no earlier import of workers.adapters hides the cycle.
     proc = subprocess.run(
-        [sys.executable, "-c", "import workers.probes"],
-        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-c", "import workers.adapters.probes"],
+        cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
 

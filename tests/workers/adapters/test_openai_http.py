@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dispatcher.config import ProviderConfig, from_builtins, normalise_base_url
+from dispatcher.config import ProviderConfig, normalise_base_url, parse
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
@@ -304,7 +304,7 @@ def test_normalise_base_url() -> None:
 
 
 async def test_base_url_with_v1_is_normalised_by_the_config_loader(fake: Fake, session: aiohttp.ClientSession) -> None:
-    config = from_builtins(
+    config = parse(
         {
             "models": [{"id": "m", "providers": {"p": MODEL}}],
             "nodes": [
@@ -314,7 +314,7 @@ async def test_base_url_with_v1_is_normalised_by_the_config_loader(fake: Fake, s
                 }
             ],
         }
-    )
+    ).config
     (_, prov), *_ = list(config.providers())
     assert prov.base_url == fake.url
     sink = RecordingSink()

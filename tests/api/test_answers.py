@@ -1,5 +1,5 @@
-"""The SSE relay of the API: provider chunks come out as SSE frames that any parser reads
-back as the same JSON, with ``model`` set to the id the caller asked for."""
+"""The API's streamed answers: provider chunks come out as SSE frames that any parser
+reads back as the same JSON, with ``model`` set to the id the caller asked for."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.relay import DONE_FRAME, _frames
-from workers.sse import SSEParser
+from api.answers import DONE_FRAME, _broken, sse_frames
+from dispatcher.events import Chunks, End, Meta, Start
+from dispatcher.exceptions import WorkerLost
+from workers.adapters.sse import SSEParser
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
@@ -30,7 +32,7 @@ def test_frames_read_back_as_the_same_json_with_the_callers_model(
 ) -> None:
     payloads = [msgspec.json.encode({**chunk, "model": served} if served is not None else chunk)
                 for chunk, served in items]
-    wire = _frames(payloads, alias) + DONE_FRAME
+    wire = sse_frames(payloads, alias) + DONE_FRAME
     parser = SSEParser()
     got: list[bytes] = []
     for start in range(0, len(wire), cut):  # however the bytes are cut on the way
@@ -40,4 +42,16 @@ def test_frames_read_back_as_the_same_json_with_the_callers_model(
 
 
 def test_a_payload_that_is_not_json_passes_unchanged() -> None:
-    assert _frames([b"not json"], "m") == b"data: not json\n\n"
+    assert sse_frames([b"not json"], "m") == b"data: not json\n\n"
+
+
+def test_a_second_run_or_a_gap_is_never_spliced_into_a_stream() -> None:
+    meta = Meta("p", "n1", "served", 0)
+    first = Start(meta, 200, [b"{}"])
+    assert _broken(first, first, 0) is None
+    assert _broken(Chunks([b"{}"], 1), first, 0) is None
+    assert _broken(Chunks([b"{}"], 1), first, 1) is None  # a batch written twice: dropped, not broken
+    assert _broken(End(), first, 3) is None
+    # Only a failover that lost writes does these: a new run starts, or a batch is missing.
+    assert isinstance(_broken(Start(meta, 200, [b"{}"]), first, 2), WorkerLost)
+    assert isinstance(_broken(Chunks([b"{}"], 3), first, 1), WorkerLost)

@@ -1,4 +1,4 @@
-"""The legacy route shape: still loaded, converted to the pool shape, and migrated by ``iop config migrate``.
+"""The legacy route shape: still loaded, converted to the pool shape (which ``iop config migrate`` writes out).
 
 Older configs route each model id to exactly one adapter instance and target::
 
@@ -15,9 +15,9 @@ a provider of its node, whose id is the instance key, whose ``models`` gain the 
 targets it does not list, and whose category is derived from its type when not given.
 Both shapes may be mixed in one file.
 
-The converted config is checked by the ordinary :func:`dispatcher.config.validate`, so the
-rules exist once; a map from converted paths back to legacy paths puts each problem where
-the operator wrote the value. Only what needs the legacy view is checked here: routes naming
+The converted config is checked by the ordinary :func:`dispatcher.config.validation.validate`,
+so the rules exist once; a map from converted paths back to legacy paths puts each problem
+where the operator wrote the value. Only what needs the legacy view is checked here: routes naming
 no adapter, model ids defined twice, adapter keys that collide with other providers.
 """
 
@@ -26,20 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import yaml
 
-from dispatcher.config import (
-    DEFAULT_CATEGORY,
-    Config,
-    ModelConfig,
-    NodeConfig,
-    ProviderConfig,
-    from_builtins_with_warnings,
-    parse_yaml,
-    problem_from_validation,
-    read_file,
-    validate,
-)
+from dispatcher.config.decode_errors import problem_from_validation
+from dispatcher.config.schema import DEFAULT_CATEGORY, Config, ModelConfig, ProviderConfig
+from dispatcher.config.validation import validate
 from dispatcher.exceptions import ConfigProblem
 
 MIGRATE_HINT = "run 'iop config migrate'"
@@ -323,83 +313,3 @@ def _collisions(config: Config, instances: list[_Instance], owned: set[str]) -> 
                 problems.append(ConfigProblem(inst.path, f"adapter instance {pid!r} is also defined at {first.path}; "
                                                          "provider ids must be unique"))
     return problems, collided
-
-
-# --------------------------------------------------------------------------- migration
-
-
-def migrate_file(path: str) -> str:
-    """:func:`migrate` of a file; a file that cannot be read is a ConfigError like a broken one."""
-    return migrate(read_file(path), source=path)
-
-
-def migrate(data: bytes | str, source: str = "the config") -> str:
-    """The pool-shape YAML equivalent to a (legacy, mixed or already new) config.
-
-    Raises ConfigError, problems at legacy paths, unless the whole file is valid: only a
-    config that loads is migrated. Sections other than the legacy ones are copied as
-    written (not expanded to defaults); comments of the original are not carried over.
-    """
-    raw = parse_yaml(data)
-    from_builtins_with_warnings(raw)  # every problem, before anything is written
-    raw = raw or {}
-    core, parts, _ = split(raw)
-    conversion = convert(msgspec.convert(core, type=Config), parts)
-
-    models = [*core.get("models", []), *({"id": r.model, "providers": {r.adapter: r.target}} for r in parts.routes)]
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in ("openai", "models"):
-            # models[] takes the place of whichever of the two came first.
-            if models and "models" not in out:
-                out["models"] = models
-        elif key == "nodes":
-            out[key] = [_migrated_node(node, conversion.config.nodes[ni]) for ni, node in enumerate(value)]
-        else:
-            out[key] = value
-
-    if parts.empty:
-        header = [f"# {source}: no legacy entries; nothing to migrate."]
-    else:
-        header = [
-            f"# Migrated by 'iop config migrate' from {source}: the legacy route shape",
-            "# (openai.model_routes, nodes[].adapters) is now the pool shape (models[], nodes[].providers[]).",
-            "# Routing is unchanged. Comments of the original file are not carried over.",
-            "# Changes (paths are those of the original file, then of this one):",
-            *(f"#   {change}" for change in conversion.changes),
-        ]
-    header = [_comment(line) for line in header]
-    body = yaml.safe_dump(out, sort_keys=False, allow_unicode=True, default_flow_style=None, width=120) if out else ""
-    return "\n".join(header) + "\n" + body
-
-
-def _comment(text: str) -> str:
-    # Ids and keys are free text: a line break in one would end the comment and inject YAML.
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
-
-
-def _migrated_node(node: dict[str, Any], converted: NodeConfig) -> dict[str, Any]:
-    if "adapters" not in node:
-        return node
-    adapters: dict[str, Any] = node["adapters"]
-    # convert() appended the instances, in mapping order, after the node's own providers.
-    instances = converted.providers[len(converted.providers) - len(adapters):]
-    new = [_provider_dict(key, adapter, prov) for (key, adapter), prov in zip(adapters.items(), instances, strict=True)]
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key in ("providers", "adapters"):
-            # providers[] takes the place of whichever of the two came first.
-            if "providers" not in out:
-                out["providers"] = [*node.get("providers", []), *new]
-        else:
-            out[key] = value
-    return out
-
-
-def _provider_dict(key: str, adapter: dict[str, Any], provider: ProviderConfig) -> dict[str, Any]:
-    """The adapter's settings as written, plus what the conversion decided (id, category, models)."""
-    out: dict[str, Any] = {"id": key, "type": adapter["type"], "category": provider.category}
-    out.update((name, value) for name, value in adapter.items() if name not in ("type", "category", "models"))
-    if provider.models:
-        out["models"] = list(provider.models)
-    return out

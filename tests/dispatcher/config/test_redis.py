@@ -14,6 +14,7 @@ from dispatcher.exceptions import ConfigError, ConfigProblem
 from dispatcher.fastredis import FastRedis
 from dispatcher.redis_conn import LocatedConnection, LocatedSSLConnection, connect, connect_fast
 from dispatcher.redis_topology import ClusterLocator, SentinelLocator, StaticLocator, data_url, locator_for
+from tests.dispatcher.config.yaml_text import load_text
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +33,7 @@ def with_redis(redis: dict[str, Any]) -> dict[str, Any]:
 
 def problems_of(redis: dict[str, Any]) -> list[ConfigProblem]:
     with pytest.raises(ConfigError) as info:
-        cfg.from_builtins(with_redis(redis))
+        cfg.parse(with_redis(redis))
     return info.value.problems
 
 
@@ -40,21 +41,21 @@ SENTINEL = {"master": "mymaster", "nodes": ["10.0.0.1:26379", "10.0.0.2:26379"]}
 
 
 def test_cluster_and_sentinel_from_yaml() -> None:
-    config = cfg.decode(textwrap.dedent("""
+    config = load_text(textwrap.dedent("""
         redis:
           url: rediss://any-cluster-node:6379/0
           cluster: true
-    """))
+    """)).config
     assert config.redis.cluster
     assert config.redis.sentinel is None
-    config = cfg.decode(textwrap.dedent("""
+    config = load_text(textwrap.dedent("""
         redis:
           sentinel:
             master: mymaster
             nodes: ["10.0.0.1:26379", "[fd00::3]:26379"]
             password_env: IOP_REDIS_PASSWORD
             sentinel_password_env: IOP_SENTINEL_PASSWORD
-    """))
+    """)).config
     sentinel = config.redis.sentinel
     assert sentinel is not None
     assert (sentinel.master, sentinel.nodes) == ("mymaster", ["10.0.0.1:26379", "[fd00::3]:26379"])
@@ -63,7 +64,7 @@ def test_cluster_and_sentinel_from_yaml() -> None:
 
 
 def test_standalone_stays_the_default() -> None:
-    redis = cfg.from_builtins(with_redis({"url": "redis://r:6379/2"})).redis
+    redis = cfg.parse(with_redis({"url": "redis://r:6379/2"})).config.redis
     assert (redis.url, redis.cluster, redis.sentinel) == ("redis://r:6379/2", False, None)
 
 
@@ -105,9 +106,9 @@ def test_unknown_and_missing_sentinel_fields() -> None:
 
 def test_iop_redis_url_replaces_only_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "rediss://override:7000/0")
-    redis = cfg.from_builtins(with_redis({"url": "redis://file:6379/0", "cluster": True})).redis
+    redis = cfg.parse(with_redis({"url": "redis://file:6379/0", "cluster": True})).config.redis
     assert (redis.url, redis.cluster) == ("rediss://override:7000/0", True)
-    redis = cfg.from_builtins(with_redis({"sentinel": SENTINEL})).redis
+    redis = cfg.parse(with_redis({"sentinel": SENTINEL})).config.redis
     assert redis.url == "rediss://override:7000/0"
     assert redis.sentinel is not None
     assert redis.sentinel.master == "mymaster"

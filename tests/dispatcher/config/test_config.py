@@ -12,6 +12,7 @@ import pytest
 
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError, ConfigProblem
+from tests.dispatcher.config.yaml_text import load_text
 
 # --------------------------------------------------------------------------- helpers
 
@@ -53,9 +54,9 @@ def provider(cfg_dict: dict[str, Any], node: int = 0, index: int = 0) -> dict[st
 
 
 def problems_of(raw: Any) -> list[ConfigProblem]:
-    """The problems ``from_builtins(raw)`` raises; fails the test if it does not raise."""
+    """The problems ``parse(raw)`` raises; fails the test if it does not raise."""
     with pytest.raises(ConfigError) as info:
-        cfg.from_builtins(raw)
+        cfg.parse(raw)
     assert info.value.problems, "ConfigError raised without problems"
     return info.value.problems
 
@@ -68,7 +69,7 @@ def only_problem(raw: Any) -> ConfigProblem:
 
 def decode_problem(text: str) -> ConfigProblem:
     with pytest.raises(ConfigError) as info:
-        cfg.decode(text)
+        load_text(text)
     assert len(info.value.problems) == 1, info.value.problems
     return info.value.problems[0]
 
@@ -83,7 +84,7 @@ def _no_redis_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_base_config_is_valid() -> None:
-    config = cfg.from_builtins(base())
+    config = cfg.parse(base()).config
     assert cfg.validate(config) == []
     assert [m.id for m in config.models] == ["m1"]
     assert config.models[0].display_name == "Model one"
@@ -151,7 +152,7 @@ def test_valid_multi_node_multi_model_config_loads(tmp_path: Path) -> None:
     )
     path = tmp_path / "iop.yaml"
     path.write_text(text)
-    config = cfg.load(path)
+    config = cfg.load(path).config
 
     qwen = config.model("qwen3.6:35b")
     assert qwen is not None
@@ -188,7 +189,7 @@ def test_valid_multi_node_multi_model_config_loads(tmp_path: Path) -> None:
 
 
 def test_config_is_frozen() -> None:
-    config = cfg.from_builtins(base())
+    config = cfg.parse(base()).config
     with pytest.raises(AttributeError):
         config.models[0].id = "other"
 
@@ -343,7 +344,7 @@ def test_cli_does_not_need_base_url() -> None:
     prov = provider(raw)
     prov.update(type="cli", command=["my-llm", "--stdin"])
     del prov["base_url"]
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     assert config.nodes[0].providers[0].base_url is None
     assert config.nodes[0].providers[0].command == ["my-llm", "--stdin"]
 
@@ -359,7 +360,7 @@ def test_negative_capacity() -> None:
 def test_zero_capacity_is_allowed() -> None:
     raw = base()
     provider(raw)["capacity"] = 0
-    assert cfg.from_builtins(raw).nodes[0].providers[0].capacity == 0
+    assert cfg.parse(raw).config.nodes[0].providers[0].capacity == 0
 
 
 @pytest.mark.parametrize("timeout", [0, -1.5])
@@ -424,7 +425,7 @@ def test_heartbeat_interval_must_be_shorter_than_ttl() -> None:
     assert "heartbeat_ttl_ms" in problem.message
 
     raw["dispatch"] = {"heartbeat_interval_ms": 9_999, "heartbeat_ttl_ms": 10_000}
-    assert cfg.from_builtins(raw).dispatch.heartbeat_interval_ms == 9_999
+    assert cfg.parse(raw).config.dispatch.heartbeat_interval_ms == 9_999
 
 
 def test_zero_values_allowed_where_documented() -> None:
@@ -432,7 +433,7 @@ def test_zero_values_allowed_where_documented() -> None:
     raw["queue"]["max_queue"] = 0
     raw["models"][0]["max_queue"] = 0
     raw["dispatch"] = {"drain_grace_s": 0}
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     assert config.queue.max_queue == 0
     assert config.max_queue(config.models[0]) == 0
     assert config.dispatch.drain_grace_s == 0
@@ -474,7 +475,7 @@ def test_several_errors_are_all_reported_in_one_config_error() -> None:
     raw["dispatch"] = {"max_attempts": 0}
 
     with pytest.raises(ConfigError) as info:
-        cfg.from_builtins(raw)
+        cfg.parse(raw)
     problems = info.value.problems
     paths = [p.path for p in problems]
     assert sorted(paths) == sorted(
@@ -597,13 +598,13 @@ def test_non_mapping_document(text: str) -> None:
 
 
 @pytest.mark.parametrize("raw", [[], "x", 3])
-def test_from_builtins_non_mapping(raw: Any) -> None:
+def test_parse_non_mapping(raw: Any) -> None:
     assert only_problem(raw) == ConfigProblem("$", "the config must be a mapping")
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# nothing configured yet\n", "---\n"])
 def test_empty_document_gives_empty_valid_config(text: str) -> None:
-    config = cfg.decode(text)
+    config = load_text(text).config
     assert config.models == []
     assert config.nodes == []
     assert config.redis.url is None
@@ -616,13 +617,13 @@ def test_empty_document_gives_empty_valid_config(text: str) -> None:
 def test_empty_file_loads(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_bytes(b"")
-    config = cfg.load(path)
+    config = cfg.load(path).config
     assert config.models == []
     assert config.nodes == []
 
 
-def test_decode_accepts_bytes() -> None:
-    config = cfg.decode(b"queue:\n  max_queue: 7\n")
+def test_unset_fields_of_a_section_keep_their_defaults() -> None:
+    config = load_text(b"queue:\n  max_queue: 7\n").config
     assert config.queue.max_queue == 7
     assert config.queue.queue_timeout_ms == 30_000
 
@@ -662,21 +663,21 @@ def test_load_reports_validation_problems(tmp_path: Path) -> None:
 
 def test_redis_url_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
-    assert cfg.from_builtins(base()).redis.url == "redis://override:6380/3"
+    assert cfg.parse(base()).config.redis.url == "redis://override:6380/3"
 
 
 def test_redis_url_env_applies_without_redis_section(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
-    assert cfg.decode("").redis.url == "redis://override:6380/3"
+    assert load_text("").config.redis.url == "redis://override:6380/3"
 
 
 def test_redis_url_from_file_when_env_unset() -> None:
-    assert cfg.from_builtins(base()).redis.url == "redis://localhost:6379/0"
+    assert cfg.parse(base()).config.redis.url == "redis://localhost:6379/0"
 
 
 def test_empty_redis_env_does_not_blank_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "")
-    assert cfg.from_builtins(base()).redis.url == "redis://localhost:6379/0"
+    assert cfg.parse(base()).config.redis.url == "redis://localhost:6379/0"
 
 
 # --------------------------------------------------------------------------- base_url normalisation
@@ -702,7 +703,7 @@ def test_normalise_base_url(url: str, expected: str) -> None:
 def test_base_url_is_normalised_on_load() -> None:
     raw = base()
     provider(raw)["base_url"] = "http://h:8000/v1/"
-    assert cfg.from_builtins(raw).nodes[0].providers[0].base_url == "http://h:8000"
+    assert cfg.parse(raw).config.nodes[0].providers[0].base_url == "http://h:8000"
 
 
 # --------------------------------------------------------------------------- categories
@@ -725,7 +726,7 @@ def test_category_derived_from_type(ptype: str, category: str) -> None:
     prov["type"] = ptype
     if ptype == "cli":
         prov.update(base_url=None, command=["run-model"])
-    loaded = cfg.from_builtins(raw).nodes[0].providers[0]
+    loaded = cfg.parse(raw).config.nodes[0].providers[0]
     assert loaded.category is None
     assert loaded.effective_category == category
 
@@ -733,7 +734,7 @@ def test_category_derived_from_type(ptype: str, category: str) -> None:
 def test_explicit_category_wins_over_type() -> None:
     raw = base()
     provider(raw)["category"] = "api"  # a vllm hosted elsewhere, billed like an API
-    loaded = cfg.from_builtins(raw).nodes[0].providers[0]
+    loaded = cfg.parse(raw).config.nodes[0].providers[0]
     assert loaded.category == "api"
     assert loaded.effective_category == "api"
 
@@ -742,7 +743,7 @@ def test_explicit_category_wins_over_type() -> None:
 
 
 def test_queue_settings_fall_back_to_queue_section() -> None:
-    config = cfg.from_builtins(base())
+    config = cfg.parse(base()).config
     model = config.models[0]
     assert model.max_queue is None
     assert model.queue_timeout_ms is None
@@ -753,7 +754,7 @@ def test_queue_settings_fall_back_to_queue_section() -> None:
 def test_queue_settings_fall_back_to_builtin_defaults() -> None:
     raw = base()
     del raw["queue"]
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     assert config.max_queue(config.models[0]) == 100
     assert config.queue_timeout_ms(config.models[0]) == 30_000
 
@@ -762,7 +763,7 @@ def test_per_model_queue_overrides() -> None:
     raw = base()
     raw["models"][0].update(max_queue=3, queue_timeout_ms=750)
     raw["models"].append({"id": "m2", "providers": {"p1": "served-m1"}, "max_queue": 0})
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     m1, m2 = config.models
     assert (config.max_queue(m1), config.queue_timeout_ms(m1)) == (3, 750)
     # max_queue 0 is an override (not "unset"): the queue default must not leak through.
@@ -773,7 +774,7 @@ def test_provider_defaults() -> None:
     raw = base()
     prov = provider(raw)
     del prov["capacity"]
-    config = cfg.from_builtins(raw)
+    config = cfg.parse(raw).config
     loaded = config.nodes[0].providers[0]
     assert loaded.capacity == 1
     assert loaded.timeout_s == 600.0
@@ -790,7 +791,7 @@ def test_secrets_written_into_the_file_are_warned_about() -> None:
     raw["api"]["api_keys_env"] = "sk-live-0123456789abcdefghij"
     provider(raw)["base_url"] = "http://admin:pw@10.0.0.5:8000"
     provider(raw)["api_key_env"] = "not a variable name"
-    _, warnings = cfg.from_builtins_with_warnings(raw)
+    _, warnings = cfg.parse(raw)
     assert "$.redis.url: holds a password" in warnings[0]
     assert any(w.startswith("$.api.api_keys_env: looks like a key") for w in warnings)
     assert any(w.startswith("$.nodes[0].providers[0].base_url: holds a password") for w in warnings)
@@ -803,16 +804,16 @@ def test_secret_looking_cli_arguments_are_warned_about() -> None:
     raw = base()
     raw["nodes"][0]["providers"].append({"id": "tool", "type": "cli", "models": ["t"],
                                          "command": ["llm", "--api-key=abc123", "--model", "{model}"]})
-    _, warnings = cfg.from_builtins_with_warnings(raw)
+    _, warnings = cfg.parse(raw)
     assert warnings == ["$.nodes[0].providers[1].command[1]: looks like a secret; pass it through api_key_env"]
 
 
 def test_a_clean_file_has_no_secret_warnings() -> None:
-    assert cfg.from_builtins_with_warnings(base())[1] == []
+    assert cfg.parse(base()).warnings == []
 
 
 def test_the_environment_url_is_not_the_files_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "redis://iop:hunter2@10.0.0.9:6379/0")
-    config, warnings = cfg.from_builtins_with_warnings(base())
+    config, warnings = cfg.parse(base())
     assert config.redis.url == "redis://iop:hunter2@10.0.0.9:6379/0"
     assert warnings == []

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError
+from tests.dispatcher.config.yaml_text import load_text
 
 scalars = st.none() | st.booleans() | st.integers(-10, 10**12) | st.floats(allow_nan=False) | st.text(max_size=20)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12),
@@ -35,7 +36,7 @@ def outcome(load: Any) -> cfg.Config | ConfigError:
 
 
 def check(raw: Any) -> None:
-    result = outcome(lambda: cfg.from_builtins(raw))
+    result = outcome(lambda: cfg.parse(raw).config)
     if isinstance(result, ConfigError):
         assert result.problems
         for problem in result.problems:
@@ -60,6 +61,6 @@ def test_config_shaped_documents(raw: Any) -> None:
 @given(st.text(max_size=300))
 @settings(max_examples=300, suppress_health_check=list(HealthCheck), deadline=None)
 def test_any_yaml_text(text: str) -> None:
-    result = outcome(lambda: cfg.decode(text))
+    result = outcome(lambda: load_text(text).config)
     if isinstance(result, ConfigError):
         assert all(p.path.startswith("$") for p in result.problems)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.exceptions import ProviderUnreachable
-from workers.sse import DONE, MAX_EVENT_BYTES, SSEParser
+from workers.adapters.sse import DONE, MAX_EVENT_BYTES, SSEParser
 
 
 def parse_all(chunks: list[bytes], max_event_bytes: int = MAX_EVENT_BYTES) -> list[bytes]:

@@ -1,0 +1,270 @@
+"""Waiting for a job's events: everything between submitting a job and answering it.
+
+* :class:`JobWait` -- one request's wait: its events, its queue deadline (the ``cancel``
+  script decides, atomically, whether the job was still waiting), a watchdog for a
+  dispatched job, and the cancel when the caller or the request gives up. A request ends
+  with exactly one answer even if a worker or Redis goes away.
+* :class:`HangUpWatch` -- notices a caller that hangs up while its job runs.
+* :class:`Waiter` and :class:`ReplyReader` -- one reader per API process reads the
+  process's reply stream and hands each event to the waiter of its job: thousands of
+  waiting requests cost one blocking Redis connection, not one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request
+from redis.exceptions import RedisError, ResponseError
+
+from dispatcher import events
+from dispatcher.backoff import Backoff
+from dispatcher.events import Chunks, Done, End, Failed, Requeued, Start
+from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
+from dispatcher.fastredis import FastRedis
+from dispatcher.protocol import CancelOutcome, CancelReason, SubmitStatus, Submitted
+from dispatcher.redis_conn import BLOCK_MS, blocking_timeout
+
+if TYPE_CHECKING:  # the gateway holds the reply reader defined here
+    from api.gateway import Gateway
+
+log = logging.getLogger("iop.api.replies")
+
+READ_BATCH = 1000
+WATCH_AFTER_S = 0.05
+
+
+class ClientGone(Exception):
+    """The caller closed its connection while waiting."""
+
+
+class JobWait:
+    """The API's side of one job: its events, its queue deadline, and a watchdog."""
+
+    def __init__(self, gw: Gateway, job_id: str, model_id: str) -> None:
+        self.gw = gw
+        self.job_id = job_id
+        self.model_id = model_id
+        self.waiter = gw.replies.register(job_id)
+        # True once Redis holds nothing more of this job that the API must clean up.
+        self.settled = False
+        self._queued_until: float | None = None
+        # Reads of the reply reader when the job was first seen gone from Redis.
+        self._gone_at_read: int | None = None
+        self._redis_down_since: float | None = None
+        # Output reached the caller: a second run must never be spliced into it.
+        self.output_started = False
+
+    def waiting(self, submitted: Submitted) -> None:
+        if submitted.status == SubmitStatus.QUEUED:
+            self._queued_until = _now() + submitted.wait_ms / 1000
+
+    async def next_event(self) -> Start | Chunks | End | Done | Failed:
+        watch = self.gw.config.dispatch.lease_ms / 1000
+        while True:
+            timeout = watch if self._queued_until is None else max(self._queued_until - _now(), 0.0)
+            event = await self.waiter.next(wait_s=timeout)
+            if isinstance(event, Requeued):
+                if self.output_started:
+                    # Only a failover that lost the mark of its output does this: a second
+                    # run would be spliced into what the caller already has.
+                    raise WorkerLost("The worker's stream was lost in a Redis failover")
+                # Its worker was lost before any output: it waits in its queue again, with a
+                # fresh deadline (lua/lib/jobs.lua settle_lost).
+                self._queued_until = _now() + self.gw.config.queue_timeout_ms(self.gw.models[self.model_id]) / 1000
+                continue
+            if event is not None:
+                self._queued_until = None  # dispatched: the queue deadline no longer applies
+                if isinstance(event, Done | End | Failed):
+                    self.settled = True
+                return event
+            try:
+                if self._queued_until is not None:
+                    await self._deadline_passed()
+                else:
+                    await self._watchdog()
+                self._redis_down_since = None
+            except RedisError as exc:
+                # A Redis restart must not fail a dispatched job that will still be answered:
+                # the watchdog tolerates an outage of two lease periods before giving up.
+                if self._queued_until is not None:
+                    raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+                if self._redis_down_since is None or self.gw.replies.last_read_at > self._redis_down_since:
+                    # Redis was back in between (the reader read): a new outage starts now.
+                    self._redis_down_since = _now()
+                elif _now() - self._redis_down_since > 2 * watch:
+                    raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+
+    async def _deadline_passed(self) -> None:
+        result = await self.gw.jobs.cancel(self.job_id, self.model_id, CancelReason.TIMEOUT)
+        if result.outcome in (CancelOutcome.REMOVED, CancelOutcome.EXPIRED):
+            self.settled = True
+            raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
+        if result.outcome == CancelOutcome.WAIT:
+            self._queued_until = _now() + result.wait_ms / 1000
+        else:
+            # Dispatched (or already over): the deadline no longer applies.
+            self._queued_until = None
+
+    async def _watchdog(self) -> None:
+        """No event for a lease period: make sure the job still exists somewhere."""
+        (raw,) = await self.gw.jobs.states([self.job_id])
+        if raw is not None:
+            self._gone_at_read = None
+            record = events.decode_record(raw)
+            if record.state in ("q", "x"):
+                # Its worker was lost and it went back to its queue.
+                self._queued_until = _now()
+            return
+        reads = self.gw.replies.reads
+        if self._gone_at_read is None:
+            self._gone_at_read = reads
+        elif reads >= self._gone_at_read + 2:
+            # A job's final event is written before its record goes, so a read issued after
+            # the record was seen gone would have brought it (the second read since then
+            # surely was): none came, so Redis lost the job.
+            self.settled = True
+            raise WorkerLost("The request was lost (Redis restarted or its worker vanished)")
+
+    def close(self) -> None:
+        """The request is answered (or failed): stop listening, and stop the job unless it
+        is over -- in the background, so the answer does not wait for Redis."""
+        self.gw.replies.unregister(self.job_id)
+        if not self.settled:
+            self.gw.spawn(self.cancel())
+
+    async def cancel(self) -> None:
+        """The caller went away (or we failed): stop the job wherever it is.
+
+        Retried through a Redis outage of up to two lease periods, so the provider stops
+        generating for a caller who hung up while Redis was away."""
+        if self.settled:
+            return
+        self.settled = True
+        give_up = _now() + 2 * self.gw.config.dispatch.lease_ms / 1000
+        backoff = Backoff()
+        while True:
+            try:
+                await self.gw.jobs.cancel(self.job_id, self.model_id, CancelReason.CLIENT)
+                return
+            except RedisError:
+                if _now() > give_up:
+                    return  # its lease, or the reaper's orphan sweep, ends it
+                await backoff.sleep()
+
+
+class HangUpWatch:
+    """Until a stream response takes over (Litestar then listens itself), notice a caller
+    that hangs up, so its job is cancelled and the provider stops generating. Most
+    answers come sooner than WATCH_AFTER_S: only slower ones pay for the watching task."""
+
+    __slots__ = ("_request", "_task", "_timer", "_waiter")
+
+    def __init__(self, request: Request[Any, Any, Any], waiter: Waiter) -> None:
+        self._request = request
+        self._waiter = waiter
+        self._task: asyncio.Future[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._request.receive())["type"] != "http.disconnect":
+            pass
+        self._waiter.client_gone()
+
+
+_GONE = b""
+
+
+class Waiter:
+    """The events of one job, in the order its worker wrote them."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def push(self, data: bytes) -> None:
+        self._queue.put_nowait(data)
+
+    def client_gone(self) -> None:
+        self._queue.put_nowait(_GONE)
+
+    async def next(self, wait_s: float | None) -> events.Event | None:
+        """The next event, or None when ``wait_s`` seconds pass first."""
+        if self._queue.empty():
+            try:
+                async with asyncio.timeout(wait_s):
+                    data = await self._queue.get()
+            except TimeoutError:
+                return None
+        else:
+            data = self._queue.get_nowait()
+        if data is _GONE:
+            raise ClientGone
+        return events.decode(data)
+
+
+class ReplyReader:
+    def __init__(self, conn: FastRedis, reply_key: str) -> None:
+        # A connection of its own: XREAD BLOCK holds it until events come.
+        self.conn = conn
+        self.key = reply_key
+        self.waiters: dict[str, Waiter] = {}
+        self.last_id: bytes = b"0-0"
+        # Successful reads so far, and when the last one ended: a watchdog must not call a
+        # job lost while its answer may still sit unread in the stream.
+        self.reads = 0
+        self.last_read_at = 0.0
+
+    def register(self, job_id: str) -> Waiter:
+        waiter = Waiter()
+        self.waiters[job_id] = waiter
+        return waiter
+
+    def unregister(self, job_id: str) -> None:
+        self.waiters.pop(job_id, None)
+
+    async def run(self) -> None:
+        # Short delays: while this reader is away, answers already written wait unread.
+        backoff = Backoff(first=0.05, cap=0.5)
+        trim = False
+        while True:
+            commands: list[tuple[str | bytes | int, ...]] = []
+            if trim:
+                # What was read is delivered: drop it in the same round trip as the next read.
+                commands.append(("XTRIM", self.key, "MINID", self.last_id))
+            commands.append(("XREAD", "COUNT", READ_BATCH, "BLOCK", BLOCK_MS, "STREAMS", self.key, self.last_id))
+            try:
+                result = (await self.conn.execute_many(commands, reply_within=blocking_timeout(BLOCK_MS)))[-1]
+                if isinstance(result, ResponseError):
+                    raise result
+                self.reads += 1
+                self.last_read_at = asyncio.get_running_loop().time()
+                backoff.reset()
+            except RedisError as exc:
+                log.warning("reading replies failed: %s", exc)
+                await backoff.sleep()
+                continue
+            trim = bool(result)
+            for _stream, entries in result or []:
+                for entry_id, fields in entries:
+                    self.last_id = entry_id
+                    # Fields come as [b"j", job, b"e", event], the order the writers use.
+                    waiter = self.waiters.get(fields[1].decode())
+                    if waiter is not None:
+                        waiter.push(fields[3])
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

@@ -1,0 +1,174 @@
+"""The configuration's shape: frozen structs that reject unknown fields, and their defaults.
+
+Decoding a document into :class:`Config` catches wrong types and misspelt fields, each with
+its ``$.path``; what needs more than one field to judge is :mod:`dispatcher.config.validation`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "openai_api", "cli")
+HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
+CATEGORIES = ("api", "cli", "local_inference")
+
+# The category a provider gets when the config does not name one.
+DEFAULT_CATEGORY = {
+    "vllm": "local_inference",
+    "sglang": "local_inference",
+    "lemonade": "local_inference",
+    "ollama": "local_inference",
+    "openai_api": "api",
+    "cli": "cli",
+}
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class SentinelConfig(_Base, frozen=True):
+    """Redis Sentinel names the master; ``url`` then gives only TLS, db and credentials."""
+
+    master: str
+    # "host:port" of each sentinel; asked in turn.
+    nodes: list[str]
+    # The ACL user and the env var holding the password of the data connections.
+    username: str | None = None
+    password_env: str | None = None
+    # The env var holding the sentinels' own password (none when unset).
+    sentinel_password_env: str | None = None
+
+
+class RedisConfig(_Base, frozen=True):
+    url: str | None = None
+    # The url is any one node of a Redis Cluster: iop finds the master serving {iop}.
+    cluster: bool = False
+    sentinel: SentinelConfig | None = None
+
+
+class ApiConfig(_Base, frozen=True):
+    # Name of an env var holding comma-separated caller keys; unset = open API.
+    api_keys_env: str | None = None
+    # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
+    admin_keys_env: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Request line and headers together; beyond, 431.
+    max_header_bytes: int = 16 * 1024
+    # A client must send its headers, and then its body, within these.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Streamed answers one API process relays at once; beyond, 503 server_overloaded.
+    max_streams: int = 4096
+
+
+class QueueConfig(_Base, frozen=True):
+    max_queue: int = 100
+    queue_timeout_ms: int = 30_000
+
+
+class DispatchConfig(_Base, frozen=True):
+    """Timings of the dispatch machinery (leases, heartbeats, reaper)."""
+
+    # A running job's slot is held by a lease the worker renews every third of it.
+    lease_ms: int = 15_000
+    # A provider whose last heartbeat is older than this is not chosen.
+    heartbeat_ttl_ms: int = 10_000
+    heartbeat_interval_ms: int = 2_000
+    probe_interval_ms: int = 5_000
+    probe_timeout_ms: int = 2_000
+    reap_interval_ms: int = 1_000
+    # An API replica silent this long is dead: the reaper cancels what it waited on.
+    replica_ttl_ms: int = 10_000
+    # Dispatches of one job when its worker dies before any output reached the client.
+    max_attempts: int = 2
+    # SIGTERM: running jobs get this long to finish before they are cancelled.
+    drain_grace_s: float = 30.0
+
+    @property
+    def observation_gap_ms(self) -> int:
+        """No reaper round for longer than this means nobody was watching Redis: expiries
+        that passed meanwhile are not held against their owners (``lua/reap_round.lua``).
+        Short enough that no live lease or replica expires inside it."""
+        return min(self.lease_ms // 3, self.replica_ttl_ms // 2)
+
+
+class ModelConfig(_Base, frozen=True):
+    id: str
+    providers: dict[str, str]
+    display_name: str | None = None
+    max_queue: int | None = None
+    queue_timeout_ms: int | None = None
+
+
+class ProviderConfig(_Base, frozen=True):
+    id: str
+    type: str
+    models: list[str] = []
+    category: str | None = None
+    capacity: int = 1
+    base_url: str | None = None
+    api_key_env: str | None = None
+    command: list[str] | None = None
+    timeout_s: float = 600.0
+
+    @property
+    def effective_category(self) -> str:
+        return self.category or DEFAULT_CATEGORY.get(self.type, "api")
+
+
+class NodeConfig(_Base, frozen=True):
+    id: str
+    providers: list[ProviderConfig] = []
+
+
+class FakeProviderConfig(_Base, frozen=True):
+    """A fake OpenAI-compatible upstream that ``iop up`` starts (demo configs only)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    delay_ms: int = 0
+    tokens: int = 16
+    token_interval_ms: int = 0
+
+
+class DemoConfig(_Base, frozen=True):
+    fake_providers: list[FakeProviderConfig] = []
+
+
+class Config(_Base, frozen=True):
+    models: list[ModelConfig] = []
+    nodes: list[NodeConfig] = []
+    redis: RedisConfig = RedisConfig()
+    api: ApiConfig = ApiConfig()
+    queue: QueueConfig = QueueConfig()
+    dispatch: DispatchConfig = DispatchConfig()
+    demo: DemoConfig = DemoConfig()
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+    def node(self, node_id: str) -> NodeConfig | None:
+        return next((n for n in self.nodes if n.id == node_id), None)
+
+    def providers(self) -> Iterator[tuple[NodeConfig, ProviderConfig]]:
+        for node in self.nodes:
+            for provider in node.providers:
+                yield node, provider
+
+    def max_queue(self, model: ModelConfig) -> int:
+        return self.queue.max_queue if model.max_queue is None else model.max_queue
+
+    def queue_timeout_ms(self, model: ModelConfig) -> int:
+        return self.queue.queue_timeout_ms if model.queue_timeout_ms is None else model.queue_timeout_ms
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as a pair; a ValueError says what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)

@@ -1,0 +1,177 @@
+"""The checks decoding cannot make: each needs more than one field, or a rule beyond a type.
+
+:func:`validate` reports every problem at once, each at the path of the offending value;
+:func:`secrets_in_file` finds secrets written into the file, which belong in the environment.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from urllib.parse import urlsplit
+
+from dispatcher.config.schema import (
+    CATEGORIES,
+    HTTP_TYPES,
+    PROVIDER_TYPES,
+    Config,
+    ProviderConfig,
+    RedisConfig,
+    host_port,
+)
+from dispatcher.exceptions import ConfigProblem
+
+
+def validate(config: Config) -> list[ConfigProblem]:
+    """Every cross-field problem of ``config``, each with the path of the offending value."""
+    problems: list[ConfigProblem] = []
+
+    def bad(path: str, message: str) -> None:
+        problems.append(ConfigProblem(path, message))
+
+    providers: dict[str, ProviderConfig] = {}
+    prov: ProviderConfig | None
+    for path, pid in _duplicates((f"$.nodes[{i}].id", n.id) for i, n in enumerate(config.nodes)):
+        bad(path, f"duplicate node id {pid!r}")
+    for ni, node in enumerate(config.nodes):
+        if not node.id:
+            bad(f"$.nodes[{ni}].id", "must not be empty")
+        for pi, prov in enumerate(node.providers):
+            path = f"$.nodes[{ni}].providers[{pi}]"
+            if prov.id in providers:
+                bad(f"{path}.id", f"duplicate provider id {prov.id!r}")
+            providers.setdefault(prov.id, prov)
+            problems.extend(_provider_problems(path, prov))
+
+    for path, mid in _duplicates((f"$.models[{i}].id", m.id) for i, m in enumerate(config.models)):
+        bad(path, f"duplicate model id {mid!r}")
+    for mi, model in enumerate(config.models):
+        path = f"$.models[{mi}]"
+        if not model.id:
+            bad(f"{path}.id", "must not be empty")
+        if not model.providers:
+            bad(f"{path}.providers", "a model needs at least one provider")
+        for pid, served in model.providers.items():
+            prov = providers.get(pid)
+            if prov is None:
+                bad(f"{path}.providers.{pid}", f"no node defines provider {pid!r}")
+            elif served not in prov.models:
+                bad(
+                    f"{path}.providers.{pid}",
+                    f"served name {served!r} is not in provider {pid!r} models {prov.models}",
+                )
+        if model.max_queue is not None and model.max_queue < 0:
+            bad(f"{path}.max_queue", f"must be >= 0, got {model.max_queue}")
+        if model.queue_timeout_ms is not None and model.queue_timeout_ms <= 0:
+            bad(f"{path}.queue_timeout_ms", f"must be > 0, got {model.queue_timeout_ms}")
+
+    if config.queue.max_queue < 0:
+        bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
+    if config.queue.queue_timeout_ms <= 0:
+        bad("$.queue.queue_timeout_ms", f"must be > 0, got {config.queue.queue_timeout_ms}")
+    for name in ("max_body_bytes", "max_header_bytes", "header_timeout_s", "body_timeout_s", "max_streams"):
+        if getattr(config.api, name) <= 0:
+            bad(f"$.api.{name}", f"must be > 0, got {getattr(config.api, name)}")
+    d = config.dispatch
+    for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
+                 "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
+        if getattr(d, name) <= 0:
+            bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
+    if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:
+        bad("$.dispatch.heartbeat_interval_ms",
+            f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
+    if d.drain_grace_s < 0:
+        bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
+    if min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0 and 2 * d.reap_interval_ms >= d.observation_gap_ms:
+        bad("$.dispatch.reap_interval_ms",
+            f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
+            f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")
+    problems.extend(_redis_problems(config.redis))
+    return problems
+
+
+def _redis_problems(redis: RedisConfig) -> Iterator[ConfigProblem]:
+    url = urlsplit(redis.url) if redis.url else None
+    if (redis.cluster or redis.sentinel) and url is not None and url.scheme not in ("redis", "rediss"):
+        yield ConfigProblem("$.redis.url", "Redis Cluster and Sentinel are reached over TCP: use redis:// or rediss://")
+    elif redis.cluster and url is not None and url.path.strip("/") not in ("", "0"):
+        yield ConfigProblem("$.redis.url", f"a Redis Cluster has only database 0, got {url.path.strip('/')!r}")
+    sentinel = redis.sentinel
+    if sentinel is None:
+        return
+    if redis.cluster:
+        yield ConfigProblem("$.redis.sentinel", "cannot be combined with cluster: true")
+    if not sentinel.master:
+        yield ConfigProblem("$.redis.sentinel.master", "must not be empty")
+    if not sentinel.nodes:
+        yield ConfigProblem("$.redis.sentinel.nodes", "needs at least one sentinel, as host:port")
+    for i, node in enumerate(sentinel.nodes):
+        try:
+            host_port(node)
+        except ValueError as exc:
+            yield ConfigProblem(f"$.redis.sentinel.nodes[{i}]", str(exc))
+    for name in ("password_env", "sentinel_password_env"):
+        value = getattr(sentinel, name)
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            yield ConfigProblem(f"$.redis.sentinel.{name}", "must be the name of an environment variable")
+
+
+def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProblem]:
+    if not prov.id:
+        yield ConfigProblem(f"{path}.id", "must not be empty")
+    if prov.type not in PROVIDER_TYPES:
+        yield ConfigProblem(f"{path}.type", f"unknown type {prov.type!r}; expected one of {list(PROVIDER_TYPES)}")
+    if prov.category is not None and prov.category not in CATEGORIES:
+        yield ConfigProblem(
+            f"{path}.category", f"unknown category {prov.category!r}; expected one of {list(CATEGORIES)}"
+        )
+    if prov.capacity < 0:
+        yield ConfigProblem(
+            f"{path}.capacity", f"must be >= 0, got {prov.capacity} (0 keeps the provider out of rotation)"
+        )
+    if prov.timeout_s <= 0:
+        yield ConfigProblem(f"{path}.timeout_s", f"must be > 0, got {prov.timeout_s}")
+    if prov.type in HTTP_TYPES and not prov.base_url:
+        yield ConfigProblem(f"{path}.base_url", f"required for type {prov.type!r}")
+    if prov.base_url and not prov.base_url.startswith(("http://", "https://")):
+        yield ConfigProblem(f"{path}.base_url", "must start with http:// or https://")
+    if prov.type == "cli" and not prov.command:
+        yield ConfigProblem(f"{path}.command", "required for type 'cli' (an argv list)")
+    for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
+        yield ConfigProblem(path_, f"duplicate served name {name!r}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SECRET_ARG = re.compile(
+    r"(?i)(api[_-]?key|token|secret|passw(or)?d)\s*[=:]\s*\S|\bsk-[A-Za-z0-9_-]{16,}|\bbearer\s+\S"
+)
+
+
+def secrets_in_file(config: Config) -> list[str]:
+    """Warnings about secrets written into the file itself: they belong in the environment."""
+    found: list[str] = []
+    if config.redis.url and urlsplit(config.redis.url).password:
+        found.append("$.redis.url: holds a password; set the URL in IOP_REDIS_URL instead of the file")
+    for name in ("api_keys_env", "admin_keys_env"):
+        value = getattr(config.api, name)
+        if value and not _ENV_NAME.fullmatch(value):
+            found.append(f"$.api.{name}: looks like a key, not the name of an environment variable holding keys")
+    for ni, node in enumerate(config.nodes):
+        for pi, prov in enumerate(node.providers):
+            path = f"$.nodes[{ni}].providers[{pi}]"
+            if prov.base_url and urlsplit(prov.base_url).password:
+                found.append(f"{path}.base_url: holds a password; give the provider a key through api_key_env")
+            if prov.api_key_env and not _ENV_NAME.fullmatch(prov.api_key_env):
+                found.append(f"{path}.api_key_env: looks like a key, not the name of an environment variable")
+            for ai, arg in enumerate(prov.command or []):
+                if _SECRET_ARG.search(arg):
+                    found.append(f"{path}.command[{ai}]: looks like a secret; pass it through api_key_env")
+    return found
+
+
+def _duplicates(items: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    seen: set[str] = set()
+    for path, value in items:
+        if value in seen:
+            yield path, value
+        seen.add(value)

@@ -1,0 +1,223 @@
+"""Typed calls of the Lua scripts: KEYS and ARGV built in one place, answers as enums.
+
+Each ``lua/*.lua`` header documents its KEYS, ARGV and return value; this module is the
+one Python rendering of those headers, so a script's signature changes in two files, the
+script and here. The sides (``dispatcher.api_side``, ``dispatcher.worker_side``) and the
+reaper call these and never build a key list themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from dispatcher import events, keys
+from dispatcher.config import Config, ModelConfig
+from dispatcher.events import Assignment, JobRecord
+from dispatcher.fastredis import Arg
+from dispatcher.plans import Plans
+from dispatcher.scripts import Scripts
+
+# A replica's reply stream and job set outlive its last heartbeat by this much, so a
+# dead replica's keys expire even if no reaper ever runs again.
+REPLY_KEEP_MS = 300_000
+
+
+class SubmitStatus(StrEnum):
+    DISPATCHED = "dispatched"
+    QUEUED = "queued"
+    FULL = "full"  # refused: max_queue jobs already wait
+    DUPLICATE = "duplicate"  # a retried submit whose first try went through
+
+
+class CancelReason(StrEnum):
+    TIMEOUT = "timeout"  # the queue deadline: a dispatched job keeps running
+    CLIENT = "client"  # the caller left: a running job is aborted too
+
+
+class CancelOutcome(StrEnum):
+    REMOVED = "removed"  # it was waiting; gone
+    EXPIRED = "expired"  # it expired in its queue; gone
+    WAIT = "wait"  # a timeout asked before the deadline
+    RUNNING = "running"  # it holds a slot: keep waiting for its worker
+    CANCELLING = "cancelling"  # its worker was told to abort
+    GONE = "gone"  # it already ended
+
+
+class EmitOutcome(StrEnum):
+    OK = "ok"
+    CANCELLED = "cancelled"  # abort, then finish
+    STALE = "stale"  # taken over: not this worker's job any more
+
+
+class FinishOutcome(StrEnum):
+    RELEASED = "released"
+    REQUEUED = "requeued"  # given up unfinished before any output: dispatched again
+    FAILED = "failed"  # given up after output started: its client got the event
+    DROPPED = "dropped"  # given up, and its client had left
+    STALE = "stale"  # taken over: nothing changed
+
+
+class ReapOutcome(StrEnum):
+    REQUEUED = "requeued"
+    FAILED = "failed"
+    DROPPED = "dropped"
+    SKIP = "skip"  # the lease is live, or the round lost sight of Redis
+
+
+class AbortReason(StrEnum):
+    CANCELLED = "cancelled"
+    STALE = "stale"
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    status: SubmitStatus
+    queued: int
+    wait_ms: int  # until the queue deadline, on the server's clock
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    outcome: CancelOutcome
+    wait_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    job: str
+    fence: int
+    reason: AbortReason
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    now_ms: int
+    gap_ms: int  # > 0: time since the last round; -1: no round was ever recorded
+    new_server: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    provider: str
+    old: int
+    new: int
+
+
+class ScriptCalls:
+    """Every script, called with its KEYS and ARGV built from the config and the call."""
+
+    def __init__(self, scripts: Scripts, config: Config, plans: Plans) -> None:
+        self.scripts = scripts
+        self.config = config
+        self.plans = plans
+        d = config.dispatch
+        self._lease_ms = d.lease_ms
+        self._submit_plans = {m.id: plans.by_model[m.id] for m in config.models}
+        self._queue_limits = {m.id: (config.queue_timeout_ms(m), config.max_queue(m)) for m in config.models}
+
+    # --- the API side -----------------------------------------------------------------------
+
+    async def submit(
+        self, job: str, model: ModelConfig, replica: str, body: bytes, endpoint: str, stream: bool
+    ) -> Submitted:
+        ks, head = self._submit_plans[model.id].args(
+            (*keys.PUMP_KEYS, keys.SEQ, keys.queue(model.id), keys.replica_jobs(replica)), self._lease_ms
+        )
+        timeout_ms, max_queue = self._queue_limits[model.id]
+        status, queued, deadline, now = await self.scripts.submit(
+            ks, [*head, job, body, model.id, replica, endpoint, int(stream), timeout_ms, max_queue]
+        )
+        return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now))
+
+    async def cancel(self, job: str, model_id: str, replica: str, reason: CancelReason) -> Cancelled:
+        outcome, wait_ms = await self.scripts.cancel(
+            [*keys.JOB_KEYS, keys.queue(model_id), keys.replica_jobs(replica)],
+            [job, reason, keys.CANCEL_CHANNEL_PREFIX],
+        )
+        return Cancelled(CancelOutcome(outcome.decode()), int(wait_ms))
+
+    async def replica_alive(self, replica: str) -> int:
+        """Say an API replica is alive; returns the server time in ms."""
+        return int(
+            await self.scripts.replica(
+                [keys.REPLICAS, keys.reply(replica), keys.replica_jobs(replica)],
+                [replica, self.config.dispatch.replica_ttl_ms, REPLY_KEEP_MS],
+            )
+        )
+
+    # --- the worker side --------------------------------------------------------------------
+
+    async def emit(self, job: Assignment, event: bytes) -> EmitOutcome:
+        result = await self.scripts.emit(
+            [*keys.JOB_KEYS, keys.reply(job.replica)], [job.job, job.fence, self._lease_ms, event, REPLY_KEEP_MS]
+        )
+        return EmitOutcome(result.decode())
+
+    async def finish(
+        self, job: Assignment, node: str, event: bytes | None, *, requeue: bool = False
+    ) -> FinishOutcome:
+        ks, head = self._settle_args(job.provider, node, job.replica, job.model)
+        outcome, _ = await self.scripts.finish(
+            ks,
+            [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
+             "requeue" if requeue else "done", self.config.dispatch.max_attempts, events.REQUEUED],
+        )
+        return FinishOutcome(outcome.decode())
+
+    async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
+        args: list[Arg] = [self._lease_ms]
+        for job, fence in runs:
+            args += [job, fence]
+        if len(args) == 1:
+            return []
+        flat = await self.scripts.renew(list(keys.JOB_KEYS), args, reply_within=reply_within)
+        return [Abort(flat[i].decode(), int(flat[i + 1]), AbortReason(flat[i + 2].decode()))
+                for i in range(0, len(flat), 3)]
+
+    async def heartbeat(self, provider: str, health: str, fields: Sequence[tuple[str, str | int]]) -> int:
+        """Publish a provider; returns how many waiting jobs it took."""
+        ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        flat: list[Arg] = []
+        for name, value in fields:
+            flat += [name, value]
+        return int(await self.scripts.heartbeat(ks, [*head, health, self.config.dispatch.heartbeat_ttl_ms, *flat]))
+
+    # --- maintenance ------------------------------------------------------------------------
+
+    async def reap_round(self, run_id: str) -> Round:
+        d = self.config.dispatch
+        now, gap, changed = await self.scripts.reap_round(
+            [keys.LEASES, keys.REPLICAS, keys.REAPER_SEEN],
+            [d.observation_gap_ms, d.lease_ms, d.replica_ttl_ms, run_id],
+        )
+        return Round(int(now), int(gap), bool(changed))
+
+    async def reap_lease(self, job: str, rec: JobRecord, provider: str, node: str, lost_event: bytes) -> ReapOutcome:
+        """``provider`` and ``node``: the record's, which a dispatched job always has."""
+        ks, head = self._settle_args(provider, node, rec.replica, rec.model, keys.REAPER_SEEN)
+        outcome, _ = await self.scripts.reap_lease(
+            ks,
+            [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, lost_event, REPLY_KEEP_MS,
+             self.config.dispatch.observation_gap_ms, events.REQUEUED],
+        )
+        return ReapOutcome(outcome.decode())
+
+    async def reconcile(self, provider_ids: list[str]) -> list[Correction]:
+        flat = await self.scripts.reconcile([*keys.JOB_KEYS, *(keys.provider(p) for p in provider_ids)], provider_ids)
+        return [Correction(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+
+    def _settle_args(
+        self, provider: str, node: str, replica: str, model: str, *extra: str
+    ) -> tuple[list[str], list[Arg]]:
+        """KEYS and ARGV head of the scripts that end a dispatch (finish, reap_lease): the job's
+        node stream, reply stream, replica set, provider and queue, ``extra``, then the plan of
+        every group the provider serves, which they pump with the freed slot."""
+        plan = self.plans.by_provider.get(provider, self.plans.empty)
+        ks, head = plan.args(
+            (*keys.PUMP_KEYS, keys.node(node), keys.reply(replica), keys.replica_jobs(replica),
+             keys.provider(provider), keys.queue(model), *extra),
+            self._lease_ms,
+        )
+        return ks, list(head)

@@ -1,0 +1,55 @@
+"""What a node's worker asks of Redis: report output, finish, renew leases, publish its
+providers, read its node stream's group. One instance per worker process (its node)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from dispatcher import keys
+from dispatcher.events import Assignment
+from dispatcher.fastredis import FastRedis
+from dispatcher.protocol import Abort, EmitOutcome, FinishOutcome, ScriptCalls
+
+
+class WorkerSide:
+    def __init__(self, calls: ScriptCalls, redis: Redis, node_id: str, fast: FastRedis | None = None) -> None:
+        self.calls = calls
+        self.redis = redis
+        self.fast = fast
+        self.node_id = node_id
+        self.node_key = keys.node(node_id)
+
+    async def emit(self, job: Assignment, event: bytes) -> EmitOutcome:
+        """First output of a streamed job (marks it as having reached its client)."""
+        return await self.calls.emit(job, event)
+
+    async def chunks(self, job: Assignment, event: bytes) -> None:
+        """Later output of a streamed job: a plain append, ordered after ``emit``'s."""
+        if self.fast is not None:
+            await self.fast.execute("XADD", keys.reply(job.replica), "*", "j", job.job, "e", event)
+        else:
+            await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
+
+    async def finish(self, job: Assignment, event: bytes | None, *, requeue: bool = False) -> FinishOutcome:
+        """Final event + release + ack; with ``requeue`` (the worker gives the job up
+        unfinished) the job is dispatched again if none of its output reached the client,
+        else its client gets ``event``."""
+        return await self.calls.finish(job, self.node_id, event, requeue=requeue)
+
+    async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
+        """Extend the leases of (job, fence) runs; the runs to abort."""
+        return await self.calls.renew(runs, reply_within)
+
+    async def heartbeat(self, provider_id: str, health: str, fields: Sequence[tuple[str, str | int]]) -> int:
+        return await self.calls.heartbeat(provider_id, health, fields)
+
+    async def ensure_group(self) -> None:
+        """Create the node stream's consumer group (from the start: jobs may predate it)."""
+        try:
+            await self.redis.xgroup_create(self.node_key, keys.NODE_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:  # BUSYGROUP: it exists already
+            if "BUSYGROUP" not in str(exc):
+                raise

@@ -1,0 +1,106 @@
+"""The API's waiting for a job, with a stand-in for Redis: the watchdog's rule for calling a
+job lost, and the cancel retried through an outage. The e2e tests run the same code
+against real processes and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from api.waiting import ClientGone, JobWait, ReplyReader, Waiter
+from dispatcher import events
+from dispatcher.events import Chunks, End, Requeued
+from dispatcher.exceptions import WorkerLost
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeJobs:
+    """Job records that are gone; a cancel that fails ``failing`` times before it works."""
+
+    def __init__(self, replies: ReplyReader, failing: int = 0) -> None:
+        self.replies = replies
+        self.failing = failing
+        self.cancels: list[str] = []
+        self.state_calls = 0
+        self.reads_between_ticks = 1
+
+    async def cancel(self, job_id: str, model_id: str, reason: str) -> Any:
+        self.cancels.append(reason)
+        if self.failing:
+            self.failing -= 1
+            raise RedisConnectionError("Redis is away")
+        return SimpleNamespace(outcome="gone", wait_ms=0)
+
+    async def states(self, job_ids: list[str]) -> list[bytes | None]:
+        self.state_calls += 1
+        self.replies.reads += self.reads_between_ticks  # the reader reads between two ticks
+        return [None]
+
+
+def job_wait(lease_ms: int, failing: int = 0) -> tuple[JobWait, FakeJobs]:
+    replies = ReplyReader(None, "reply")  # type: ignore[arg-type]  # never run here
+    jobs = FakeJobs(replies, failing)
+    gw = SimpleNamespace(config=SimpleNamespace(dispatch=SimpleNamespace(lease_ms=lease_ms)),
+                         jobs=jobs, replies=replies, models={})
+    return JobWait(gw, "job-1", "m"), jobs  # type: ignore[arg-type]
+
+
+async def test_a_waiter_hands_over_events_in_order_and_says_when_none_came() -> None:
+    waiter = Waiter()
+    waiter.push(events.encode(Chunks([b"a"], seq=1)))
+    waiter.push(events.encode(End()))
+    assert await waiter.next(wait_s=0.01) == Chunks([b"a"], seq=1)
+    assert await waiter.next(wait_s=0.01) == End()
+    assert await waiter.next(wait_s=0.01) is None
+    waiter.client_gone()
+    with pytest.raises(ClientGone):
+        await waiter.next(wait_s=0.01)
+
+
+async def test_a_vanished_job_is_lost_only_after_two_reads_since_it_was_seen_gone() -> None:
+    wait, jobs = job_wait(lease_ms=20)
+    with pytest.raises(WorkerLost):
+        await wait.next_event()
+    # Seen gone at the first tick (one read later); the third tick is two reads after it.
+    assert jobs.state_calls == 3
+    assert wait.settled
+
+
+async def test_a_vanished_job_is_not_called_lost_while_the_reader_reads_nothing() -> None:
+    wait, jobs = job_wait(lease_ms=20)
+    jobs.reads_between_ticks = 0  # the reader is stuck (Redis away): answers may sit unread
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await wait.next_event()
+    assert jobs.state_calls >= 3
+    assert not wait.settled
+
+
+async def test_the_cancel_is_retried_through_a_short_outage() -> None:
+    wait, jobs = job_wait(lease_ms=1000, failing=3)
+    await wait.cancel()
+    assert jobs.cancels == ["client"] * 4
+    assert wait.settled
+    await wait.cancel()  # settled: nothing more to stop
+    assert len(jobs.cancels) == 4
+
+
+async def test_the_cancel_gives_up_after_two_lease_periods() -> None:
+    wait, jobs = job_wait(lease_ms=50, failing=1_000)
+    async with asyncio.timeout(2):
+        await wait.cancel()
+    assert 2 <= len(jobs.cancels) < 10
+
+
+async def test_a_requeue_after_output_started_ends_the_wait_instead_of_splicing() -> None:
+    wait, _ = job_wait(lease_ms=1000)
+    wait.output_started = True
+    wait.waiter.push(events.encode(Requeued()))
+    with pytest.raises(WorkerLost):
+        await wait.next_event()
+    assert not wait.settled  # the requeued job is cancelled when the wait closes
