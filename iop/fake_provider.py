@@ -613,17 +613,7 @@ class _FakeProvider:
         return web.Response(body=msgspec.json.encode(self.hooks), content_type=_JSON)
 
     async def set_hooks(self, request: web.Request) -> web.Response:
-        try:
-            patch = msgspec.json.decode(await request.read(), type=_HooksPatch)
-        except msgspec.ValidationError as exc:
-            return _error(400, _error_body(f"invalid hooks: {exc}", "invalid_request_error"))
-        except msgspec.DecodeError:
-            return _error(400, _BAD_JSON)
-        for name in patch.__struct_fields__:
-            value = getattr(patch, name)
-            if value is not msgspec.UNSET:
-                setattr(self.hooks, name, value)
-        return web.Response(body=msgspec.json.encode(self.hooks), content_type=_JSON)
+        return await _patch(request, self.hooks, _HooksPatch, "hooks")
 
     async def get_executions(self, request: web.Request) -> web.Response:
         return web.Response(body=msgspec.json.encode(list(self.executions)), content_type=_JSON)
@@ -633,17 +623,7 @@ class _FakeProvider:
         return web.Response(body=b"[]", content_type=_JSON)
 
     async def control(self, request: web.Request) -> web.Response:
-        try:
-            patch = msgspec.json.decode(await request.read(), type=_OptionsPatch)
-        except msgspec.ValidationError as exc:
-            return _error(400, _error_body(f"invalid options: {exc}", "invalid_request_error"))
-        except msgspec.DecodeError:
-            return _error(400, _BAD_JSON)
-        for name in patch.__struct_fields__:
-            value = getattr(patch, name)
-            if value is not msgspec.UNSET:
-                setattr(self.options, name, value)
-        return web.Response(body=msgspec.json.encode(self.options), content_type=_JSON)
+        return await _patch(request, self.options, _OptionsPatch, "options")
 
     # ---------------------------------------------------------------- anything else
 
@@ -721,3 +701,18 @@ def run(host: str, port: int, options: FakeOptions) -> None:
     """Serve until SIGINT/SIGTERM (blocking); prints one line once listening."""
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(_serve(host, port, options))
+
+
+async def _patch(request: web.Request, target: Any, patch_type: type[msgspec.Struct], what: str) -> web.Response:
+    """Apply a JSON patch (the fields it sets) to ``target``; answer with the result."""
+    try:
+        patch = msgspec.json.decode(await request.read(), type=patch_type)
+    except msgspec.ValidationError as exc:
+        return _error(400, _error_body(f"invalid {what}: {exc}", "invalid_request_error"))
+    except msgspec.DecodeError:
+        return _error(400, _BAD_JSON)
+    for name in patch.__struct_fields__:
+        value = getattr(patch, name)
+        if value is not msgspec.UNSET:
+            setattr(target, name, value)
+    return web.Response(body=msgspec.json.encode(target), content_type=_JSON)

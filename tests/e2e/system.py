@@ -27,6 +27,23 @@ from iop.processes import START_TIMEOUT_S, Child, wait_http, wait_port
 from iop.redis_server import RedisServer, free_port
 
 
+def fast_dispatch(lease_ms: int = 1500, **overrides: Any) -> dict[str, Any]:
+    """Dispatch timings short enough that leases expire, heartbeats land and reaper rounds
+    run within a test, ``overrides`` on top."""
+    return {
+        "lease_ms": lease_ms,
+        "heartbeat_interval_ms": 200,
+        "heartbeat_ttl_ms": 1000,
+        "probe_interval_ms": 300,
+        "probe_timeout_ms": 500,
+        "reap_interval_ms": 200,
+        "replica_ttl_ms": 1500,
+        "drain_grace_s": 3,
+        "max_attempts": 2,
+        **overrides,
+    }
+
+
 class Proc(Child):
     """A process of the system, its output in ``<log_dir>/<name>.log``.
 

@@ -42,7 +42,17 @@ import pytest
 from redis import Redis
 
 from iop.redis_server import RedisServer
-from tests.e2e.system import Fake, Planned, Proc, System, expected_pieces, http_provider, leftovers, sse_payloads
+from tests.e2e.system import (
+    Fake,
+    Planned,
+    Proc,
+    System,
+    expected_pieces,
+    fast_dispatch,
+    http_provider,
+    leftovers,
+    sse_payloads,
+)
 
 SEED = int(os.environ.get("IOP_CHAOS_SEED") or random.SystemRandom().randrange(1 << 32))
 LEASE_MS = 3000
@@ -89,9 +99,7 @@ def soak_system(tmp_path: Path) -> Iterator[System]:
 
 def configure(system: System) -> None:
     system.write_config({
-        "dispatch": {"lease_ms": LEASE_MS, "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000,
-                     "probe_interval_ms": 300, "probe_timeout_ms": 500, "reap_interval_ms": 200,
-                     "replica_ttl_ms": 1500, "drain_grace_s": 3, "max_attempts": 3},
+        "dispatch": fast_dispatch(LEASE_MS, max_attempts=3),
         "queue": {"max_queue": MAX_REQUESTS, "queue_timeout_ms": QUEUE_TIMEOUT_MS},
         "models": [{"id": "m", "providers": {p: f"served-{p}" for p in NODES.values()}}],
         "nodes": [

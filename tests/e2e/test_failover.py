@@ -43,23 +43,13 @@ from redis.exceptions import RedisError
 
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.e2e.system import Fake, System, expected_pieces, http_provider, sse_payloads
+from tests.e2e.system import Fake, System, expected_pieces, fast_dispatch, http_provider, sse_payloads
 from tests.topologies import MASTER_NAME, RedisCluster, SentinelSet, redis_cli
 
 LEASE_MS = 3000
 QUEUE_TIMEOUT_MS = 4000
 CAPACITY = 4
-DISPATCH = {
-    "lease_ms": LEASE_MS,
-    "heartbeat_interval_ms": 200,
-    "heartbeat_ttl_ms": 1000,
-    "probe_interval_ms": 300,
-    "probe_timeout_ms": 500,
-    "reap_interval_ms": 200,
-    "replica_ttl_ms": 1500,
-    "drain_grace_s": 3,
-    "max_attempts": 2,
-}
+DISPATCH = fast_dispatch(LEASE_MS)
 # One request every INTERVAL_S: ~10/s, each 100-300 ms at the provider, about half of what
 # CAPACITY slots serve.
 INTERVAL_S = 0.1

@@ -23,19 +23,9 @@ import pytest
 
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.e2e.system import Fake, System, http_provider
+from tests.e2e.system import Fake, System, fast_dispatch, http_provider
 
-FAST = {
-    "lease_ms": 1500,
-    "heartbeat_interval_ms": 200,
-    "heartbeat_ttl_ms": 1000,
-    "probe_interval_ms": 300,
-    "probe_timeout_ms": 500,
-    "reap_interval_ms": 200,
-    "replica_ttl_ms": 1500,
-    "drain_grace_s": 3,
-    "max_attempts": 2,
-}
+FAST = fast_dispatch()
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 

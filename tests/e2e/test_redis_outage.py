@@ -42,6 +42,7 @@ from tests.e2e.system import (
     Proc,
     System,
     expected_pieces,
+    fast_dispatch,
     http_provider,
     leftovers,
     redis_outage,
@@ -53,18 +54,7 @@ REPLICA_TTL_MS = 1500
 
 
 def dispatch(lease_ms: int = LEASE_MS, **overrides: Any) -> dict[str, Any]:
-    return {
-        "lease_ms": lease_ms,
-        "heartbeat_interval_ms": 200,
-        "heartbeat_ttl_ms": 1000,
-        "probe_interval_ms": 300,
-        "probe_timeout_ms": 500,
-        "reap_interval_ms": 200,
-        "replica_ttl_ms": REPLICA_TTL_MS,
-        "drain_grace_s": 5,
-        "max_attempts": 2,
-        **overrides,
-    }
+    return fast_dispatch(lease_ms, replica_ttl_ms=REPLICA_TTL_MS, drain_grace_s=5, **overrides)
 
 
 # AOF flushes to the kernel before Redis answers, but appendfsync is everysec: leave the
