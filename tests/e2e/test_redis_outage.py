@@ -54,7 +54,7 @@ REPLICA_TTL_MS = 1500
 
 
 def dispatch(lease_ms: int = LEASE_MS, **overrides: Any) -> dict[str, Any]:
-    return fast_dispatch(lease_ms, replica_ttl_ms=REPLICA_TTL_MS, drain_grace_s=5, **overrides)
+    return fast_dispatch(lease_ms, **{"replica_ttl_ms": REPLICA_TTL_MS, "drain_grace_s": 5, **overrides})
 
 
 # AOF flushes to the kernel before Redis answers, but appendfsync is everysec: leave the
