@@ -107,7 +107,13 @@ class System:
 
     def port(self, name: str) -> int:
         if name not in self.ports:
-            self.ports[name] = free_port()
+            # A port is free only until someone binds it: the OS may hand the same one out
+            # twice before the first process binds it, and two fakes on one port would
+            # look like one provider over its capacity.
+            port = free_port()
+            while port in self.ports.values() or port == self.redis_server.port:
+                port = free_port()
+            self.ports[name] = port
         return self.ports[name]
 
     def write_config(self, config: dict[str, Any]) -> Path:
