@@ -52,7 +52,11 @@ class Clients:
 
     @classmethod
     def open(cls, redis: RedisConfig) -> Clients:
-        return cls(connect(redis), connect_fast(redis), connect_fast(redis))
+        # One locator for the three: a failover one of them notices moves them all, and a
+        # process discovers its primary once, not once per client.
+        locator = locator_for(redis) if redis.cluster or redis.sentinel else None
+        return cls(connect(redis, locator=locator), connect_fast(redis, locator=locator),
+                   connect_fast(redis, locator=locator))
 
     async def aclose(self) -> None:
         await self.blocking.close()
@@ -60,7 +64,7 @@ class Clients:
         await self.control.aclose()
 
 
-def connect(redis: str | RedisConfig | None, *, max_connections: int = 256) -> Redis:
+def connect(redis: str | RedisConfig | None, *, max_connections: int = 256, locator: Locator | None = None) -> Redis:
     """A client that fails fast when Redis is away and retries briefly on a dropped connection.
 
     Every script iop calls is safe to run twice (``submit`` answers 'duplicate' for a
@@ -87,7 +91,7 @@ def connect(redis: str | RedisConfig | None, *, max_connections: int = 256) -> R
     tls = options.pop("connection_class", None) is SSLConnection
     pool = BlockingConnectionPool(
         connection_class=LocatedSSLConnection if tls else LocatedConnection,
-        locator=locator_for(config),
+        locator=locator or locator_for(config),
         # A moved primary costs a rediscovery and a reconnection; a failover or a busy slot
         # (TRYAGAIN, CLUSTERDOWN) takes longer, so back off a little further than standalone.
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=4),
@@ -97,13 +101,13 @@ def connect(redis: str | RedisConfig | None, *, max_connections: int = 256) -> R
     return Redis.from_pool(pool)
 
 
-def connect_fast(redis: str | RedisConfig | None) -> FastRedis:
+def connect_fast(redis: str | RedisConfig | None, *, locator: Locator | None = None) -> FastRedis:
     """The lean client of the request path (``dispatcher.fastredis``)."""
     config = _config(redis)
     if not (config.cluster or config.sentinel):
         return FastRedis(config.url or DEFAULT_URL, connect_timeout=1.0, command_timeout=SOCKET_TIMEOUT_S)
     return FastRedis(data_url(config), connect_timeout=1.0, command_timeout=SOCKET_TIMEOUT_S,
-                     locator=locator_for(config))
+                     locator=locator or locator_for(config))
 
 
 def _config(redis: str | RedisConfig | None) -> RedisConfig:
