@@ -80,10 +80,12 @@ class Reaper:
             return None
         round_ = await self.open_round()
         now, gap_ms, new_server = round_.now_ms, round_.gap_ms, round_.new_server
-        if gap_ms or new_server:
+        if gap_ms > 0 or new_server:
             log.warning("%s: every lease and replica gets a fresh period before anyone is judged",
                         "Redis is a new server (restart or failover)" if new_server
-                        else f"no reaper round for {gap_ms} ms" if gap_ms > 0 else "first reaper round")
+                        else f"no reaper round for {gap_ms} ms")
+        elif gap_ms < 0:
+            log.info("first reaper round on this Redis")
         stats = ReapStats(leases=await self.reap_leases(now), gap_ms=gap_ms, new_server=new_server)
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
