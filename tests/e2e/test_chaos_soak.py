@@ -31,7 +31,6 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,6 @@ import httpx
 import pytest
 from redis import Redis
 
-from iop.redis_server import RedisServer
 from tests.e2e.system import (
     Fake,
     Planned,
@@ -85,16 +83,6 @@ class Outcome:
     kind: str = ""  # ok | error | empty | corrupt | conn_error | lost
     code: str = ""
     detail: str = ""
-
-
-@pytest.fixture
-def soak_system(tmp_path: Path) -> Iterator[System]:
-    with RedisServer(appendonly=True) as redis_server:
-        system = System(tmp_path, redis_server)
-        try:
-            yield system
-        finally:
-            system.close()
 
 
 def configure(system: System) -> None:
@@ -360,8 +348,8 @@ def duplicates(runs: Runs, fake_ports: dict[str, int], faults: list[Fault]) -> t
 # --- the soak ----------------------------------------------------------------------------------------------
 
 
-def test_chaos_soak(soak_system: System) -> None:
-    system = soak_system
+def test_chaos_soak(aof_system: System) -> None:
+    system = aof_system
     print(f"\nchaos soak seed {SEED} (IOP_CHAOS_SEED={SEED} replays it)")
     rng = random.Random(SEED)
     configure(system)

@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +78,6 @@ def tracked_fake(system: System) -> Fake:
     fake = system.fake("f", "--models", "served")
     fake.hooks(track_executions=True, body_overrides=True)
     return fake
-
-
-@pytest.fixture
-def aof_system(tmp_path: Path) -> Iterator[System]:
-    with RedisServer(appendonly=True) as redis_server:
-        system = System(tmp_path, redis_server)
-        try:
-            yield system
-        finally:
-            system.close()
 
 
 def assert_settled(system: System, providers: list[str], models: list[str], timeout: float = 30) -> None:

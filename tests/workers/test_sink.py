@@ -68,15 +68,20 @@ def payloads(evs: list[events.Event]) -> list[bytes]:
     return out
 
 
+async def flaky_sink(h: Harness, hold_s: float = 60) -> tuple[Assignment, FlakySlots, RedisSink]:
+    """A dispatched job and its sink, writing through slots that can fail on demand."""
+    job = await dispatched(h)
+    slots = FlakySlots(h.node)
+    return job, slots, RedisSink(slots, job, "n1", hold_s=hold_s)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def h(any_redis: Redis) -> Harness:
     return Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
 
 
 async def test_output_is_held_through_an_outage_and_written_in_order(h: Harness) -> None:
-    job = await dispatched(h)
-    slots = FlakySlots(h.node)
-    sink = RedisSink(slots, job, "n1", hold_s=60)  # type: ignore[arg-type]
+    _job, slots, sink = await flaky_sink(h)
     await sink.chunks([b"1"])
     slots.down = True
     for n in range(2, 6):
@@ -90,9 +95,7 @@ async def test_output_is_held_through_an_outage_and_written_in_order(h: Harness)
 
 
 async def test_the_first_output_waits_for_redis_too(h: Harness) -> None:
-    job = await dispatched(h)
-    slots = FlakySlots(h.node)
-    sink = RedisSink(slots, job, "n1", hold_s=60)  # type: ignore[arg-type]
+    job, slots, sink = await flaky_sink(h)
     slots.down = True
     await sink.chunks([b"a"])
     await sink.chunks([b"b"])
@@ -107,9 +110,7 @@ async def test_the_first_output_waits_for_redis_too(h: Harness) -> None:
 
 
 async def test_a_batch_whose_reply_was_lost_is_sent_again_unchanged(h: Harness) -> None:
-    job = await dispatched(h)
-    slots = FlakySlots(h.node)
-    sink = RedisSink(slots, job, "n1", hold_s=60)  # type: ignore[arg-type]
+    _job, slots, sink = await flaky_sink(h)
     await sink.chunks([b"1"])
     slots.lose_next_reply = True
     await sink.chunks([b"2"])  # written, but the worker cannot know
@@ -122,9 +123,7 @@ async def test_a_batch_whose_reply_was_lost_is_sent_again_unchanged(h: Harness) 
 
 
 async def test_holding_is_bounded_in_time(h: Harness) -> None:
-    job = await dispatched(h)
-    slots = FlakySlots(h.node)
-    sink = RedisSink(slots, job, "n1", hold_s=0.2)  # type: ignore[arg-type]
+    _job, slots, sink = await flaky_sink(h, hold_s=0.2)
     slots.down = True
     await sink.chunks([b"a"])  # the first failure starts the clock
     await anyio.sleep(0.3)
@@ -134,9 +133,7 @@ async def test_holding_is_bounded_in_time(h: Harness) -> None:
 
 async def test_holding_is_bounded_in_bytes(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sink_module, "HOLD_BYTES", 10)
-    job = await dispatched(h)
-    slots = FlakySlots(h.node)
-    sink = RedisSink(slots, job, "n1", hold_s=60)  # type: ignore[arg-type]
+    _job, slots, sink = await flaky_sink(h)
     slots.down = True
     await sink.chunks([b"12345"])
     with pytest.raises(RedisError):
