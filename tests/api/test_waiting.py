@@ -13,8 +13,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api.waiting import ClientGone, JobWait, ReplyReader, Waiter
 from dispatcher import events
-from dispatcher.events import Chunks, End, Requeued
+from dispatcher.events import Chunks, End, Meta, Requeued, Start
 from dispatcher.exceptions import WorkerLost
+from dispatcher.protocol import SubmitStatus, Submitted
 
 pytestmark = pytest.mark.anyio
 
@@ -104,3 +105,15 @@ async def test_a_requeue_after_output_started_ends_the_wait_instead_of_splicing(
     with pytest.raises(WorkerLost):
         await wait.next_event()
     assert not wait.settled  # the requeued job is cancelled when the wait closes
+
+
+async def test_a_dispatched_job_is_no_longer_held_to_its_queue_deadline() -> None:
+    wait, jobs = job_wait(lease_ms=10_000)
+    wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 50))  # queued, deadline in 50 ms
+    wait.waiter.push(events.encode(Start(Meta("p", "n1", "served", 10), 200, [b"{}"])))
+    assert isinstance(await wait.next_event(), Start)  # dispatched and running
+    jobs.failing = 1  # Redis is away: a deadline check now would answer 503
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.3):
+            await wait.next_event()
+    assert jobs.cancels == []  # no deadline check: the stream just waits for its worker

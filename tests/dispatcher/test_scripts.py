@@ -350,3 +350,16 @@ async def test_emit_and_renew_refuse_a_stale_fence(harness: Any) -> None:
     assert await h.node.finish(stale, b"x") == "stale"
     assert await h.in_flight("a") == 1
     assert await h.node.renew([(job, a.fence)]) == []
+
+
+async def test_fences_never_go_back_after_the_counter_is_rolled_back(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    # A failover that lost the last writes: the new primary's counter is behind the fences
+    # the old one handed out.
+    await h.redis.set(keys.FENCE, 5)
+    sec, usec = await h.redis.time()
+    job, _ = await h.submit("m")
+    fence = (await h.assignment(job)).fence
+    assert fence >= (int(sec) * 1000 + int(usec) // 1000) * 10
+    assert int(await h.redis.get(keys.FENCE)) == fence

@@ -187,6 +187,43 @@ def test_frozen_worker_is_fenced_when_it_wakes_up(system: System) -> None:
     assert fake.stats()["total"] == 2
 
 
+def test_an_entry_delivered_to_a_worker_that_does_not_run_it_is_handed_back(system: System) -> None:
+    """What a failover that loses a worker's finish leaves: a node stream entry pending for a
+    live worker that is not running it, and a lease nobody renews. The worker hands it back
+    at a renewal instead of leaving the slot taken until the lease runs out."""
+    system.write_config({
+        # A long provider heartbeat TTL: the provider stays dispatchable while its worker is
+        # stopped; a lease (6 s) long enough that expiring it would be a different path.
+        "dispatch": fast_dispatch(6000, heartbeat_ttl_ms=8000),
+        "models": [{"id": "m", "providers": {"p": "served"}}],
+        "nodes": [{"id": "n1", "providers": [http_provider("p", "vllm", system.port("f"), 1, ["served"])]}],
+    })
+    system.fake("f", "--models", "served")
+    worker = system.worker("n1")
+    system.api()
+    system.wait_available("p")
+    assert post(system).status_code == 200  # the worker's consumer exists in the group
+    consumer = system.worker_id(worker)
+
+    worker.signal(signal.SIGSTOP)
+    time.sleep(2.5)  # its blocked read (a third of a lease at most) has ended on the server
+    request = Background(lambda: post(system))
+    request.start()
+    system.wait_until("dispatched", lambda: system.redis.xlen(keys.node("n1")) == 1)
+    # Delivered to the worker's consumer, but never to the worker itself.
+    stolen = system.redis.xreadgroup(keys.NODE_GROUP, consumer, {keys.node("n1"): ">"}, count=10)
+    assert len(stolen[0][1]) == 1
+    worker.signal(signal.SIGCONT)
+
+    request.join(timeout=30)
+    assert isinstance(request.result, httpx.Response), request.result
+    assert request.result.status_code == 200, request.result.text
+    logs = system.logs()
+    assert "delivered here but not running" in worker.log(), logs
+    assert "expired: requeued" not in logs  # handed back, not left to its lease
+    settled(system, "p")
+
+
 # --- 2. a worker is stopped -----------------------------------------------------------------
 
 
