@@ -1,8 +1,11 @@
-"""What the caller gets back: a job's events shaped as an OpenAI JSON answer, an SSE
-stream, or an error, with ``x-iop-*`` headers saying where the job ran.
+"""What the caller gets back: a job's events shaped as a JSON (or text, or audio) answer,
+a stream, or an error, with ``x-iop-*`` headers saying where the job ran and the
+provider's own headers that pass on (``workers/adapters/base.py``).
 
 Answers come back with ``model`` set to the id the caller asked for (the provider
-answered with its served name).
+answered with its served name) -- in a Responses event's ``response`` and a Messages
+``message_start``'s ``message`` too. A stream is framed as its endpoint's kind
+(``dispatcher/endpoints.py``); ``data: [DONE]`` ends it only when the provider sent one.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from litestar.response import Stream
 from api.metrics import RequestClock
 from api.waiting import JobWait
 from dispatcher import events
+from dispatcher.endpoints import Endpoint
 from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
-from dispatcher.exceptions import JobCancelled, ProviderRejected, RequestError, WorkerLost, error_from_code
-from dispatcher.jsonbody import with_model
+from dispatcher.exceptions import (
+    JobCancelled,
+    ProviderRejected,
+    RequestError,
+    WorkerLost,
+    anthropic_error_body,
+    error_from_code,
+)
+from dispatcher.jsonbody import renamed, with_model
 
 DONE_FRAME = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -26,27 +37,76 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def json_answer(event: Done, model_id: str) -> Response[bytes]:
     body = event.body
-    if event.status < 300 and event.content_type == "application/json":
-        body = _rename(body, model_id)
+    if event.status < 300 and event.content_type.startswith("application/json"):
+        body = renamed(body, model_id)
     return Response(body, status_code=event.status, media_type=event.content_type,
-                    headers=meta_headers(event.meta))
+                    headers={**event.headers, **meta_headers(event.meta)})
 
 
 def sse_answer(
-    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None]
+    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None],
+    spec: Endpoint,
 ) -> Stream:
     """The stream that relays the job's events from ``first`` on; when it ends, however it
     ends, the request is counted, ``release`` called and the wait closed."""
+    media_type = first.content_type if isinstance(first, Start) else "text/event-stream"
+    headers = {**first.headers} if isinstance(first, Start) else {}
+    if spec.stream != "bytes":
+        headers.update(SSE_HEADERS)
     return Stream(
-        _sse(wait, first, model_id, clock, release),
-        media_type="text/event-stream",
+        _stream(wait, first, model_id, clock, release, Framing(spec, model_id)),
+        media_type=media_type,
         status_code=first.status if isinstance(first, Start) else 200,
-        headers={**SSE_HEADERS, **(meta_headers(first.meta) if first.meta else {})},
+        headers={**headers, **(meta_headers(first.meta) if first.meta else {})},
     )
 
 
-async def _sse(
-    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None]
+class StreamBroken(Exception):
+    """A binary stream cannot carry an error: the connection is cut instead."""
+
+
+class Framing:
+    """How one endpoint's stream is written: its chunks, its end, and an error in it."""
+
+    def __init__(self, spec: Endpoint, model_id: str) -> None:
+        self.spec = spec
+        self.model_id = model_id
+
+    def chunks(self, chunks: list[bytes]) -> bytes:
+        kind = self.spec.stream
+        if kind == "sse":
+            return sse_frames(chunks, self.model_id)
+        if kind == "bytes":
+            return b"".join(chunks)
+        out = bytearray()
+        for chunk in chunks:
+            name, _, data = chunk.partition(b"\n")
+            if name:
+                out += b"event: " + name + b"\n"
+            out += b"data: " + renamed(data, self.model_id) + b"\n\n"
+        return bytes(out)
+
+    def end(self, event: End) -> bytes:
+        return DONE_FRAME if event.done and self.spec.stream != "bytes" else b""
+
+    def error(self, exc: RequestError, provider_body: bytes | None = None) -> bytes:
+        kind = self.spec.stream
+        if kind == "bytes":
+            raise StreamBroken(exc.message)
+        if provider_body is not None:
+            data = provider_body
+        elif self.spec.errors == "anthropic":
+            data = msgspec.json.encode(anthropic_error_body(exc.status, exc.message))
+        elif kind == "typed_sse":
+            data = msgspec.json.encode({"type": "error", "code": exc.code, "message": exc.message, "param": None})
+        else:
+            data = msgspec.json.encode(exc.body())
+        return (b"event: error\n" if kind == "typed_sse" else b"") + b"data: " + data + b"\n\n"
+
+
+async def _stream(
+    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None],
+    framing: Framing,
 ) -> AsyncIterator[bytes]:
     status = JobCancelled.status  # unless the stream reaches its end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
@@ -59,7 +119,7 @@ async def _sse(
                 # Never splice: what the caller has is ended by one error event, and the
                 # job is cancelled (the wait is not settled).
                 status = broken.status
-                yield b"data: " + msgspec.json.encode(broken.body()) + b"\n\n"
+                yield framing.error(broken)
                 return
             if isinstance(event, Chunks) and event.seq and event.seq <= seen:
                 pass
@@ -67,26 +127,27 @@ async def _sse(
                 if isinstance(event, Chunks):
                     seen = event.seq or seen
                 if event.chunks:
-                    yield sse_frames(event.chunks, model_id)
+                    yield framing.chunks(event.chunks)
                     if event is first:
                         clock.first_byte()
             elif isinstance(event, End):
                 status = 200
-                yield DONE_FRAME
+                end = framing.end(event)
+                if end:
+                    yield end
                 return
             elif isinstance(event, Failed):
                 status = event.status
-                yield _error_frame(event)
+                yield framing.error(failure(event), event.body)
                 return
             else:  # Done cannot follow a stream's start; treat it as the end.
                 status = 200
-                yield DONE_FRAME
                 return
             try:
                 event = await wait.next_event()
             except RequestError as exc:
                 status = exc.status
-                yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+                yield framing.error(exc)
                 return
     finally:
         clock.done(status)
@@ -120,12 +181,6 @@ def _rename(payload: bytes, model_id: str) -> bytes:
         return payload
 
 
-def _error_frame(event: Failed) -> bytes:
-    if event.body is not None:
-        return b"data: " + event.body + b"\n\n"
-    return b"data: " + msgspec.json.encode(failure(event).body()) + b"\n\n"
-
-
 def failure(event: Failed) -> RequestError:
     """The error a ``Failed`` event stands for, to raise (api/errors.py answers it)."""
     if event.body is not None:
@@ -133,7 +188,7 @@ def failure(event: Failed) -> RequestError:
     else:
         exc = error_from_code(event.code, event.message)
         exc.status = event.status
-    exc.headers = meta_headers(event.meta)
+    exc.headers = {**event.headers, **meta_headers(event.meta)}
     return exc
 
 

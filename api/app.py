@@ -11,7 +11,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
-from api.auth import KeyGuard, admin_keys
+from api.auth import admin_guard
 from api.errors import HANDLERS
 from api.gateway import Gateway
 from api.openapi import document_requests
@@ -33,9 +33,9 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
         finally:
             await gateway.close()
 
-    admin_guard = KeyGuard(admin_keys(config.api.api_keys_env, config.api.admin_keys_env))
+    guard = admin_guard(config.api.admin_keys_env, gateway.tenants)
     app = Litestar(
-        route_handlers=[v1_router(), operator_router([admin_guard]), *OPEN_HANDLERS, healthz, readyz],
+        route_handlers=[v1_router(), operator_router([guard]), *OPEN_HANDLERS, healthz, readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
         exception_handlers=HANDLERS,  # type: ignore[arg-type]

@@ -1,10 +1,13 @@
-"""Keys: ``Authorization: Bearer <key>`` checked in constant time.
+"""Keys: ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients
+send it).
 
-Two sets: caller keys (``api.api_keys_env``) guard ``/v1/*``; admin keys
-(``api.admin_keys_env``) guard the operator surfaces ``/catalog`` and ``/metrics``
-(the ``/ui`` page itself holds no data and asks for a key when ``/catalog`` wants
-one). Without admin keys the operator surfaces take the caller keys; with neither,
-everything is open. ``/healthz`` and ``/readyz`` are always open.
+Caller keys -- the named ``api.keys`` (each one a tenant) and those of
+``api.api_keys_env`` (tenant ``default``) -- guard ``/v1/*``: ``dispatcher/tenants.py``
+finds a request's tenant. Admin keys (``api.admin_keys_env``) guard the operator
+surfaces ``/catalog`` and ``/metrics`` (the ``/ui`` page itself holds no data and asks
+for a key when ``/catalog`` wants one). Without admin keys the operator surfaces take
+the caller keys; with neither, everything is open. ``/healthz`` and ``/readyz`` are
+always open.
 """
 
 from __future__ import annotations
@@ -18,10 +21,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from dispatcher.exceptions import Unauthorized
-
-
-def admin_keys(api_keys_env: str | None, admin_keys_env: str | None) -> list[bytes] | None:
-    return load_keys(admin_keys_env) if admin_keys_env else load_keys(api_keys_env)
+from dispatcher.tenants import Tenants
 
 
 def load_keys(env_name: str | None) -> list[bytes] | None:
@@ -32,24 +32,34 @@ def load_keys(env_name: str | None) -> list[bytes] | None:
 
 
 class KeyGuard:
-    def __init__(self, keys: list[bytes] | None) -> None:
+    """The operator surfaces' guard: the admin keys, or else any caller key."""
+
+    def __init__(self, keys: list[bytes] | None, tenants: Tenants | None = None) -> None:
         self.keys = keys
+        self.tenants = tenants
 
     # Async on purpose: Litestar runs a sync guard in a worker thread, which cost a fifth
-    # of the API's CPU per request. The request path calls check() itself instead: a
-    # guard also costs a copy of the route handler per call.
+    # of the API's CPU per request.
     async def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         self.check(connection.headers)
 
     def check(self, headers: Mapping[str, str]) -> None:
         if self.keys is None:
+            if self.tenants is not None:
+                self.tenants.of(headers)
             return
         header = headers.get("authorization", "")
         scheme, _sep, token = header.partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not presented:
+            presented = headers.get("x-api-key", "").strip().encode()
         # Compare against every key, whatever matches, so timing says nothing about which.
         ok = False
         for key in self.keys:
             ok |= hmac.compare_digest(presented, key)
         if not ok or not presented:
-            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>)")
+            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
+
+
+def admin_guard(admin_keys_env: str | None, tenants: Tenants) -> KeyGuard:
+    return KeyGuard(load_keys(admin_keys_env)) if admin_keys_env else KeyGuard(None, tenants)

@@ -1,4 +1,5 @@
-"""One place that turns every failure into an OpenAI-style error answer."""
+"""One place that turns every failure into an error answer: OpenAI's shape, or Anthropic's
+on the Anthropic paths (``/v1/messages...``), whose clients parse only that."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from redis.exceptions import RedisError
 
-from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError, error_body
+from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError, anthropic_error_body, error_body
 
 log = logging.getLogger("iop.api")
 
@@ -18,32 +19,45 @@ _HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def _answer(exc: RequestError) -> Response[object]:
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def anthropic(request: Request[Any, Any, Any]) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATHS)
+
+
+def _answer(request: Request[Any, Any, Any], exc: RequestError) -> Response[object]:
     headers = dict(exc.headers)
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     if isinstance(exc, ProviderRejected):
         return Response(exc.raw_body, status_code=exc.status, media_type=exc.content_type, headers=headers)
-    return Response(exc.body(), status_code=exc.status, headers=headers)
+    body = anthropic_error_body(exc.status, exc.message) if anthropic(request) else exc.body()
+    return Response(body, status_code=exc.status, headers=headers)
 
 
-def request_error(_: Request[Any, Any, Any], exc: RequestError) -> Response[object]:
-    return _answer(exc)
+def request_error(request: Request[Any, Any, Any], exc: RequestError) -> Response[object]:
+    return _answer(request, exc)
 
 
-def redis_error(_: Request[Any, Any, Any], exc: RedisError) -> Response[object]:
-    return _answer(RedisUnavailable(f"Redis is unavailable: {exc}"))
+def redis_error(request: Request[Any, Any, Any], exc: RedisError) -> Response[object]:
+    return _answer(request, RedisUnavailable(f"Redis is unavailable: {exc}"))
 
 
-def http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
+def http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[object]:
     status = exc.status_code
-    error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    body = error_body(exc.detail, error_type, code=_HTTP_CODES.get(status))
+    if anthropic(request):
+        body = anthropic_error_body(status, exc.detail)
+    else:
+        error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        body = error_body(exc.detail, error_type, code=_HTTP_CODES.get(status))
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
 
 
-def unexpected_error(_: Request[Any, Any, Any], exc: Exception) -> Response[object]:
+def unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[object]:
     log.exception("unhandled error", exc_info=exc)
+    if anthropic(request):
+        return Response(anthropic_error_body(500, "Internal server error"), status_code=500)
     return Response(error_body("Internal server error", "server_error", code="internal_error"), status_code=500)
 
 

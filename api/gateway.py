@@ -14,7 +14,6 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from api.auth import KeyGuard, load_keys
 from api.metrics import RequestMetrics
 from api.streams import StreamSlots
 from api.waiting import ReplyReader
@@ -26,6 +25,7 @@ from dispatcher.protocol import ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenants
 
 log = logging.getLogger("iop.api")
 
@@ -37,13 +37,14 @@ class Gateway:
         self.clients = Clients.open(config.redis)
         self.redis = self.clients.control
         self.scripts = Scripts(self.redis, self.clients.fast)
-        calls = ScriptCalls(self.scripts, config, Plans(config))
+        self.plans = Plans(config)
+        calls = ScriptCalls(self.scripts, config, self.plans)
         self.jobs = ApiSide(calls, self.redis, self.replica_id)
         self.replies = ReplyReader(self.clients.blocking, keys.reply(self.replica_id))
         self.reaper = Reaper(calls, self.redis, self.replica_id)
         self.models = {m.id: m for m in config.models}
         self.metrics = RequestMetrics()
-        self.caller_keys = KeyGuard(load_keys(config.api.api_keys_env))
+        self.tenants = Tenants(config)
         self.streams = StreamSlots(config.api.max_streams)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Job ids: a random prefix per process and a counter, unique without a syscall each.
@@ -54,6 +55,15 @@ class Gateway:
 
     def next_job_id(self) -> str:
         return f"{self._job_prefix}{next(self._job_counter):x}"
+
+    async def publish_limits(self) -> None:
+        """The tenants' max_in_flight, where dispatch reads them (``lua/lib/pump.lua``)."""
+        limits = self.tenants.limits()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.TENANT_LIMITS)
+            if limits:
+                pipe.hset(keys.TENANT_LIMITS, mapping=limits)  # type: ignore[arg-type]
+            await pipe.execute()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` in the background, keeping a reference until it ends."""
@@ -67,6 +77,8 @@ class Gateway:
                 log.warning("%s", warning)
             await self.scripts.load()
             await self.jobs.heartbeat()
+            if self.tenants.flow_control:
+                await self.publish_limits()
         except RedisError as exc:
             # Not fatal: /readyz says so, and requests answer 503 until Redis is back.
             log.warning("Redis not reachable at start-up: %s", exc)

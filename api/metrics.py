@@ -3,10 +3,12 @@
 Two kinds:
 
 * **Global gauges** -- provider in_flight, capacity and health, queued jobs and the
-  oldest wait per model group -- are read from Redis at scrape time, so every replica
+  oldest wait per model group, and with flow control each configured tenant's queued jobs
+  per model group and running jobs -- are read from Redis at scrape time, so every replica
   reports the same values (aggregate them with ``max``, not ``sum``).
-* **Per-process counters and histograms** -- requests by model, provider and status,
-  request latency, queue wait, streams' time to first byte. When ``iop api --workers N``
+* **Per-process counters and histograms** -- requests by model, provider, status and
+  tenant, request latency, queue wait (by model and tenant), streams' time to first
+  byte. Tenant labels are configured key names (and ``default``) only: bounded. When ``iop api --workers N``
   runs several processes on one port, each writes to ``PROMETHEUS_MULTIPROC_DIR``
   (prometheus_client's multiprocess mode, set up by ``iop api``) and a scrape of any of
   them returns the sum over all, so no process's counts are lost to the load balancer.
@@ -36,8 +38,8 @@ class RequestMetrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "iop_requests", "Requests answered, by model, provider and HTTP status",
-            ["model", "provider", "status"], registry=self.registry,
+            "iop_requests", "Requests answered, by model, provider, HTTP status and tenant",
+            ["model", "provider", "status", "tenant"], registry=self.registry,
         )
         self.latency = Histogram(
             "iop_request_duration_seconds", "Time from request to the end of its answer",
@@ -45,7 +47,7 @@ class RequestMetrics:
         )
         self.queue_wait = Histogram(
             "iop_queue_wait_seconds", "Time a request waited in its model queue before dispatch",
-            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self.ttfb = Histogram(
             "iop_stream_first_byte_seconds", "Time from request to the first streamed chunk",
@@ -69,17 +71,18 @@ class RequestMetrics:
 class RequestClock:
     """Times one request and records it exactly once."""
 
-    __slots__ = ("_done", "metrics", "model", "provider", "started")
+    __slots__ = ("_done", "metrics", "model", "provider", "started", "tenant")
 
     def __init__(self, metrics: RequestMetrics) -> None:
         self.metrics = metrics
         self.started = time.perf_counter()
         self.model = UNKNOWN
         self.provider = ""
+        self.tenant = UNKNOWN
         self._done = False
 
     def queued(self, queue_ms: int) -> None:
-        self.metrics.queue_wait.labels(self.model).observe(queue_ms / 1000)
+        self.metrics.queue_wait.labels(self.model, self.tenant).observe(queue_ms / 1000)
 
     def first_byte(self) -> None:
         self.metrics.ttfb.labels(self.model, self.provider).observe(time.perf_counter() - self.started)
@@ -89,7 +92,7 @@ class RequestClock:
             return
         self._done = True
         labels = (self.model, self.provider, str(status))
-        self.metrics.requests.labels(*labels).inc()
+        self.metrics.requests.labels(*labels, self.tenant).inc()
         self.metrics.latency.labels(*labels).observe(time.perf_counter() - self.started)
 
 
@@ -122,3 +125,21 @@ class _CatalogCollector(Collector):
             queued.add_metric([m.id], m.queued)
             oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
         yield from (in_flight, capacity, up, health, queued_p, queued, oldest)
+        yield from self._tenants()
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Per tenant (flow control only): configured names, and each of them only for the
+        model groups it may call, so the series are bounded by the config."""
+        if not self.catalog.tenants:
+            return
+        queued = GaugeMetricFamily("iop_tenant_queued", "Jobs of the tenant waiting in the model group's queues",
+                                   labels=["tenant", "model"])
+        in_flight = GaugeMetricFamily("iop_tenant_in_flight", "Jobs of the tenant running, all model groups",
+                                      labels=["tenant"])
+        waiting = {(u.tenant, m.id): u.queued for m in self.catalog.models for u in m.tenants}
+        for t in self.catalog.tenants:
+            in_flight.add_metric([t.name], t.in_flight)
+            for m in self.catalog.models:
+                if t.models is None or m.id in t.models or (t.name, m.id) in waiting:
+                    queued.add_metric([t.name, m.id], waiting.get((t.name, m.id), 0))
+        yield from (queued, in_flight)

@@ -25,7 +25,7 @@ def _gw(state: State) -> Gateway:
     return gw
 
 
-@get("/catalog", summary="Providers, their health and load, and the model groups (read-only)")
+@get("/catalog", summary="Providers, their health and load, the model groups and the tenants (read-only)")
 async def catalog(state: State) -> Response[bytes]:
     gw = _gw(state)
     try:

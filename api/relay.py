@@ -1,5 +1,5 @@
-"""One OpenAI request through iop: read and check it, submit its job, wait for the job's
-first event (``api/waiting.py``), answer (``api/answers.py``).
+"""One request through iop: read and check it (``api/intake.py``), submit its job, wait
+for the job's first event (``api/waiting.py``), answer (``api/answers.py``).
 
 The caller's body goes to the provider untouched but for ``model`` (the worker sets
 the served name).
@@ -7,7 +7,6 @@ the served name).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from litestar import Request, Response
@@ -16,26 +15,31 @@ from redis.exceptions import RedisError
 
 from api.answers import failure, json_answer, sse_answer
 from api.gateway import Gateway
+from api.intake import take, take_stored
 from api.metrics import RequestClock
 from api.streams import no_slot
 from api.waiting import ClientGone, HangUpWatch, JobWait
+from dispatcher.endpoints import ENDPOINTS
 from dispatcher.events import Chunks, Done, Failed
 from dispatcher.exceptions import (
     JobCancelled,
-    ModelNotFound,
     QueueFull,
     RedisUnavailable,
     RequestError,
-    RequestTimeout,
+    ResponseProviderDown,
+    TenantQueueFull,
     WorkerLost,
 )
-from dispatcher.jsonbody import parse_request
+from dispatcher.protocol import SubmitStatus
 
 
-async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> Response[Any]:
+async def relay(
+    request: Request[Any, Any, Any], gw: Gateway, endpoint: str, response_id: str | None = None, rest: str = ""
+) -> Response[Any]:
+    """``response_id``: a call on a stored Response (``rest``: what follows the id in the path)."""
     clock = RequestClock(gw.metrics)
     try:
-        return await _relay(request, gw, endpoint, clock)
+        return await _relay(request, gw, endpoint, clock, response_id, rest)
     except RequestError as exc:
         clock.done(exc.status)
         raise
@@ -47,35 +51,46 @@ async def relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str) -> 
         raise
 
 
-async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock) -> Response[Any]:
-    gw.caller_keys.check(request.headers)
-    try:
-        async with asyncio.timeout(gw.config.api.body_timeout_s):
-            body = await request.body()
-    except TimeoutError:
-        raise RequestTimeout("The request body did not arrive in time") from None
-    model_id, stream = parse_request(body)
-    model = gw.models.get(model_id)
-    if model is None:
-        raise ModelNotFound(model_id)
+async def _relay(
+    request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock, response_id: str | None,
+    rest: str,
+) -> Response[Any]:
+    tenant = gw.tenants.of(request.headers)
+    clock.tenant = tenant.name
+    if response_id is None:
+        intake = await take(request, gw, endpoint, tenant)
+    else:
+        intake = await take_stored(request, gw, response_id, rest, tenant)
+    model_id, stream = intake.model.id, intake.stream
     clock.model = model_id
-    if endpoint == "embeddings":
-        stream = False
+    spec = ENDPOINTS[intake.endpoint]
     release_slot = gw.streams.acquire() if stream else no_slot
 
-    wait = JobWait(gw, gw.next_job_id(), model_id)
+    job_id = tenant.job_id(gw.next_job_id()) if gw.tenants.flow_control else gw.next_job_id()
+    wait = JobWait(gw, job_id, model_id, intake.lane.queue)
     hang_up = HangUpWatch(request, wait.waiter)
     handed_off = False
     try:
         try:
-            submitted = await gw.jobs.submit(wait.job_id, model, body, endpoint, stream)
+            submitted = await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, stream,
+                                             intake.pinned, tenant)
         except RedisError as exc:
             wait.settled = True
             raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
-        if submitted.status == "full":
+        if submitted.status == SubmitStatus.FULL:
             wait.settled = True
             raise QueueFull(
                 f"The queue of '{model_id}' is full ({submitted.queued} waiting); retry later"
+            )
+        if submitted.status == SubmitStatus.TENANT_FULL:
+            wait.settled = True
+            raise TenantQueueFull(f"Tenant '{tenant.name}' already has {tenant.max_queued} requests waiting; "
+                                  "retry later")
+        if submitted.status == SubmitStatus.UNAVAILABLE:
+            wait.settled = True
+            raise ResponseProviderDown(
+                f"The provider holding this response ({', '.join(intake.lane.providers)}) is unavailable; "
+                "retry later"
             )
         wait.waiting(submitted)
         first = await wait.next_event()
@@ -92,7 +107,7 @@ async def _relay(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, cl
             raise failure(first)
         # From here the stream owns the slot and the wait, and ends them when it ends.
         handed_off = True
-        return sse_answer(wait, first, model_id, clock, release_slot)
+        return sse_answer(wait, first, model_id, clock, release_slot, spec)
     except ClientGone:
         raise JobCancelled("The client closed the connection") from None
     finally:

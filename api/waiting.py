@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from litestar import Request
 from redis.exceptions import RedisError, ResponseError
 
-from dispatcher import events
+from dispatcher import events, keys
 from dispatcher.backoff import Backoff
 from dispatcher.events import Chunks, Done, End, Failed, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
@@ -43,10 +43,11 @@ class ClientGone(Exception):
 class JobWait:
     """The API's side of one job: its events, its queue deadline, and a watchdog."""
 
-    def __init__(self, gw: Gateway, job_id: str, model_id: str) -> None:
+    def __init__(self, gw: Gateway, job_id: str, model_id: str, queue_key: str | None = None) -> None:
         self.gw = gw
         self.job_id = job_id
         self.model_id = model_id
+        self.queue_key = queue_key or keys.queue(model_id)  # of the job's lane
         self.waiter = gw.replies.register(job_id)
         # True once Redis holds nothing more of this job that the API must clean up.
         self.settled = False
@@ -98,7 +99,7 @@ class JobWait:
                     raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
 
     async def _deadline_passed(self) -> None:
-        result = await self.gw.jobs.cancel(self.job_id, self.model_id, CancelReason.TIMEOUT)
+        result = await self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT)
         if result.outcome in (CancelOutcome.REMOVED, CancelOutcome.EXPIRED):
             self.settled = True
             raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
@@ -147,7 +148,7 @@ class JobWait:
         backoff = Backoff()
         while True:
             try:
-                await self.gw.jobs.cancel(self.job_id, self.model_id, CancelReason.CLIENT)
+                await self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT)
                 return
             except RedisError:
                 if _now() > give_up:

@@ -2,8 +2,9 @@
 
     python -m bench.latency [--requests 1000] [--repeat 3]
 
-JSON answers and 20-chunk streams; p50/p99 of the whole answer and, for streams, of
-the time to the first byte of the body. "Added" is iop minus direct.
+Chat JSON answers and 20-chunk chat streams, and 20-delta Responses and Anthropic
+Messages streams (typed ``event:`` SSE); p50/p99 of the whole answer and, for streams,
+of the time to the first byte of the body. "Added" is iop minus direct.
 """
 
 from __future__ import annotations
@@ -21,8 +22,18 @@ from bench.stack import Stack, markdown_table, percentile, write_section
 COMMAND = "python -m bench.latency"
 
 
-async def series(url: str, model: str, stream: bool, n: int) -> tuple[list[float], list[float]]:
-    body = json.dumps({"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
+HI = [{"role": "user", "content": "hi"}]
+# (row label, endpoint, body without model, streamed)
+KINDS: list[tuple[str, str, dict[str, object], bool]] = [
+    ("chat JSON", "chat/completions", {"messages": HI}, False),
+    ("chat stream (20 chunks)", "chat/completions", {"messages": HI, "stream": True}, True),
+    ("Responses stream (20 deltas)", "responses", {"input": "hi", "stream": True}, True),
+    ("Messages stream (20 deltas)", "messages", {"messages": HI, "max_tokens": 20, "stream": True}, True),
+]
+
+
+async def series(url: str, model: str, payload: dict[str, object], n: int) -> tuple[list[float], list[float]]:
+    body = json.dumps({"model": model, **payload}).encode()
     totals: list[float] = []
     firsts: list[float] = []
     async with aiohttp.ClientSession(headers={"Content-Type": "application/json"}) as session:
@@ -46,21 +57,20 @@ def ms(x: float) -> str:
 async def main(requests: int, repeat: int) -> str:
     rows = []
     with Stack({"a": ["--tokens", "20"]}) as stack:
-        direct_url = f"{stack.fake_url('a')}/v1/chat/completions"
-        iop_url = f"{stack.api_url}/v1/chat/completions"
-        for stream in (False, True):
+        for kind, endpoint, payload, stream in KINDS:
+            direct_url = f"{stack.fake_url('a')}/v1/{endpoint}"
+            iop_url = f"{stack.api_url}/v1/{endpoint}"
             warm = max(requests // 10, 50)
-            await series(direct_url, "served-a", stream, warm)
-            await series(iop_url, "bench", stream, warm)
+            await series(direct_url, "served-a", payload, warm)
+            await series(iop_url, "bench", payload, warm)
             d_total, d_first, i_total, i_first = [], [], [], []
             for _ in range(repeat):  # interleaved, so both see the same machine
-                total, first = await series(direct_url, "served-a", stream, requests)
+                total, first = await series(direct_url, "served-a", payload, requests)
                 d_total += total
                 d_first += first
-                total, first = await series(iop_url, "bench", stream, requests)
+                total, first = await series(iop_url, "bench", payload, requests)
                 i_total += total
                 i_first += first
-            kind = "stream (20 chunks)" if stream else "JSON"
             for what, direct, via in (("whole answer", d_total, i_total), ("first byte", d_first, i_first)):
                 if not stream and what == "first byte":
                     continue

@@ -57,7 +57,7 @@ async def measure(depth: int, calls: int) -> list[str]:
         script_calls = ScriptCalls(scripts, config, Plans(config))
         jobs = ApiSide(script_calls, redis, "bench")
         slots = WorkerSide(script_calls, redis, "n1", fast)
-        model = config.models[0]
+        model = script_calls.plans.main_lane(config.models[0].id)
         await scripts.load()
         await slots.heartbeat("p", "available", [("capacity", 1)])
         await jobs.submit("holder", model, BODY, "chat/completions", False)
@@ -72,7 +72,7 @@ async def measure(depth: int, calls: int) -> list[str]:
             started = time.perf_counter()
             await jobs.submit(f"s{i}", model, BODY, "chat/completions", False)
             submit_rt.append(time.perf_counter() - started)
-            await jobs.cancel(f"s{i}", "m", CancelReason.CLIENT)
+            await jobs.cancel(f"s{i}", keys.queue("m"), CancelReason.CLIENT)
         submit_server = await server_usec(redis)  # submit and cancel, averaged
 
         dispatch_rt = []

@@ -153,7 +153,8 @@ class SimulatedApi:
         waiter = self.replies.register(job_id)
         try:
             model = self.models[n % len(self.models)]
-            submitted = await self.jobs.submit(job_id, model, body, "chat/completions", stream)
+            lane = self.jobs.calls.plans.main_lane(model.id)
+            submitted = await self.jobs.submit(job_id, lane, body, "chat/completions", stream)
             if submitted.status not in ("dispatched", "queued"):
                 raise RuntimeError(f"submit answered {submitted.status}")
             while True:
@@ -489,7 +490,8 @@ async def script_costs(url: str, top: Topology, jobs_n: int) -> list[list[str]]:
         rows.append([label, command.upper(), f"{n:,}", f"{usec / n:.1f}"])
 
     def submit(job_id: str, stream: bool) -> Callable[[], Awaitable[Any]]:
-        return lambda: api.jobs.submit(job_id, config.models[0], top.body, "chat/completions", stream)
+        lane = api.jobs.calls.plans.main_lane(config.models[0].id)
+        return lambda: api.jobs.submit(job_id, lane, top.body, "chat/completions", stream)
 
     async def assignments(count: int) -> list[tuple[Assignment, RedisSink]]:
         found: list[tuple[Assignment, RedisSink]] = []
@@ -623,7 +625,8 @@ async def submit_load(servers: Servers, mode: str, args: argparse.Namespace) -> 
 
     async def submit() -> float:
         started = time.perf_counter()
-        result = await jobs.submit(f"j{next(ids)}", config.models[0], body, "chat/completions", False)
+        lane = jobs.calls.plans.main_lane(config.models[0].id)
+        result = await jobs.submit(f"j{next(ids)}", lane, body, "chat/completions", False)
         elapsed = time.perf_counter() - started
         if result.status != "dispatched":
             raise RuntimeError(f"submit answered {result.status}")

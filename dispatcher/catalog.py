@@ -5,6 +5,12 @@ Health uses exactly the dispatcher's rule (``lua/lib/pump.lua``): a provider is
 *available* when its worker reported it healthy, its heartbeat is fresh and its
 capacity is above zero. Otherwise it is *unavailable* (it answered, badly: the probe's
 reason) or *unknown* (no fresh word from its worker: never seen, or a stale heartbeat).
+
+With flow control (``dispatcher/tenants.py``) it also shows who waits and runs: each
+configured tenant's band, weight, limits and totals, and per model group the tenants with
+jobs waiting or running there, from the counters the dispatch scripts keep in
+``{iop}:tenants`` (read in the same pipeline as the rest). Only configured tenant names are
+read, so a stale counter of a tenant no longer in the config never shows.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import msgspec
 from redis.asyncio import Redis
 
 from dispatcher import keys
-from dispatcher.config import Config, ProviderConfig
+from dispatcher.config import DEFAULT_TENANT, Config, ProviderConfig
 from dispatcher.lifecycle import LifecycleFlags, flags_for
+from dispatcher.plans import Plans
+from dispatcher.tenants import Tenant, Tenants, bands, flow_control
 
 
 class ProviderView(msgspec.Struct):
@@ -38,6 +46,11 @@ class ProviderView(msgspec.Struct):
     lifecycle_capabilities: LifecycleFlags
     heartbeat_age_ms: int | None
     model_groups: list[str]
+    # Endpoint names it serves (dispatcher/endpoints.py): its worker's word, else its config.
+    endpoints: list[str]
+    # Parallel slots the runtime itself reports (llama.cpp): a hint beside ``capacity``,
+    # which alone decides dispatch. None when the runtime does not say.
+    slots: int | None
 
 
 class CandidateView(msgspec.Struct):
@@ -50,6 +63,14 @@ class CandidateView(msgspec.Struct):
     load_ratio: float | None
 
 
+class TenantUse(msgspec.Struct):
+    """A tenant's jobs in one model group."""
+
+    tenant: str
+    queued: int
+    in_flight: int
+
+
 class ModelView(msgspec.Struct):
     id: str
     display_name: str
@@ -57,6 +78,21 @@ class ModelView(msgspec.Struct):
     queued: int
     oldest_wait_ms: int | None
     available_slots: int
+    # Tenants with jobs waiting or running in the group (flow control only), config order.
+    tenants: list[TenantUse]
+
+
+class TenantView(msgspec.Struct):
+    """A configured tenant (named caller key, or ``default``) and its jobs, all groups."""
+
+    name: str
+    band: str  # its priority band (api.priorities)
+    weight: float
+    models: list[str] | None  # the model groups it may call; None: every one
+    max_queued: int | None
+    max_in_flight: int | None
+    queued: int
+    in_flight: int
 
 
 class NodeView(msgspec.Struct):
@@ -69,6 +105,8 @@ class Catalog(msgspec.Struct):
     providers: list[ProviderView]
     models: list[ModelView]
     nodes: list[NodeView]
+    # Flow control only (empty without it: every job is one tenant's, plain FIFO).
+    tenants: list[TenantView]
 
 
 def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
@@ -92,26 +130,68 @@ def _json_list(raw: str | None) -> list[str] | None:
     return [str(v) for v in value] if isinstance(value, list) else None
 
 
+def _slots(raw: str | None) -> int | None:
+    try:
+        value = int(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
+
+
+def _tenants(config: Config) -> tuple[list[Tenant], bool]:
+    """The tenants whose counters the catalog reads, in config order -- none without flow
+    control; else the named keys and ``default`` -- and whether ``default`` is one requests
+    can be (``api_keys_env``, an open API); if not, it is shown only while it has jobs."""
+    if not flow_control(config):
+        return [], False
+    tenants = Tenants(config)
+    named = [tenants.by_name[k.name] for k in config.api.keys]
+    if all(t.name != DEFAULT_TENANT for t in named):
+        named.append(tenants.default)
+    return named, bool(config.api.api_keys_env or not config.api.keys)
+
+
+def _counter_fields(tenants: list[Tenant], model_ids: list[str]) -> list[str]:
+    """The ``{iop}:tenants`` fields read, per tenant: its totals, then each model group's."""
+    return [f"{kind}:{t.name}{suffix}" for t in tenants for suffix in ["", *(f":{m}" for m in model_ids)]
+            for kind in ("q", "r")]
+
+
 async def read_catalog(redis: Redis, config: Config) -> Catalog:
     providers = [(node.id, prov) for node, prov in config.providers()]
+    # A model group waits in several lanes (dispatcher/plans.py): its queue is all of them.
+    lanes = [(model.id, lane.queue) for model in config.models for lane in Plans(config).lanes_by_model[model.id]]
+    tenants, default_configured = _tenants(config)
+    band_names = bands(config)
+    model_ids = [m.id for m in config.models]
+    counter_fields = _counter_fields(tenants, model_ids)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.time()
         for _, prov in providers:
             pipe.hgetall(keys.provider(prov.id))
-        for model in config.models:
-            pipe.zcard(keys.queue(model.id))
-            pipe.zrange(keys.queue(model.id), 0, 0)
+        for _, queue in lanes:
+            pipe.zcard(queue)
+            pipe.zrange(queue, 0, 0, withscores=True)
+        if counter_fields:
+            pipe.hmget(keys.TENANTS, counter_fields)
         replies: list[Any] = await pipe.execute()
+    counters = _counters(counter_fields, replies.pop() if counter_fields else [])
     sec, usec = replies[0]
     now = int(sec) * 1000 + int(usec) // 1000
     hashes = [
         {k.decode(): v.decode() for k, v in cast(dict[bytes, bytes], h).items()}
         for h in replies[1 : 1 + len(providers)]
     ]
-    queue_replies = replies[1 + len(providers):]
-    queued = {m.id: int(queue_replies[2 * i]) for i, m in enumerate(config.models)}
-    heads = {m.id: queue_replies[2 * i + 1][0].decode() for i, m in enumerate(config.models)
-             if queue_replies[2 * i + 1]}
+    queue_replies = replies[1 + len(providers) : 1 + len(providers) + 2 * len(lanes)]
+    queued = {m.id: 0 for m in config.models}
+    head_seq: dict[str, tuple[float, str]] = {}
+    for i, (model_id, _) in enumerate(lanes):
+        queued[model_id] += int(queue_replies[2 * i])
+        if queue_replies[2 * i + 1]:
+            job, seq = queue_replies[2 * i + 1][0]
+            if model_id not in head_seq or seq < head_seq[model_id][0]:
+                head_seq[model_id] = (seq, job.decode())
+    heads = {model_id: job for model_id, (_, job) in head_seq.items()}
     head_records = await redis.hmget(keys.JOBS, list(heads.values())) if heads else []
     oldest: dict[str, int] = {}
     for model_id, raw in zip(heads, head_records, strict=True):
@@ -135,10 +215,40 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             if (v := views.get(pid)) is not None
         ]
         free = sum(max(c.capacity - c.in_flight, 0) for c in cands if c.health == "available")
+        uses = [TenantUse(t.name, counters.get(f"q:{t.name}:{model.id}", 0), counters.get(f"r:{t.name}:{model.id}", 0))
+                for t in tenants]
+        uses = [u for u in uses if u.queued or u.in_flight]
         models.append(ModelView(model.id, model.display_name or model.id, cands, queued[model.id],
-                                oldest.get(model.id), free))
+                                oldest.get(model.id), free, uses))
     nodes = [NodeView(n.id, [p.id for p in n.providers]) for n in config.nodes]
-    return Catalog(now, list(views.values()), models, nodes)
+    tenant_views = [
+        TenantView(
+            name=t.name,
+            band=band_names[t.band],
+            weight=t.weight,
+            models=None if t.models is None else [m for m in model_ids if t.allows(m)],
+            max_queued=t.max_queued,
+            max_in_flight=t.max_in_flight,
+            queued=counters.get(f"q:{t.name}", 0),
+            in_flight=counters.get(f"r:{t.name}", 0),
+        )
+        for t in tenants
+    ]
+    tenant_views = [v for v in tenant_views
+                    if v.name != DEFAULT_TENANT or default_configured or v.queued or v.in_flight]
+    return Catalog(now, list(views.values()), models, nodes, tenant_views)
+
+
+def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
+    """Field -> count, for the counters that are set (never below zero)."""
+    out: dict[str, int] = {}
+    for field, raw in zip(fields, values, strict=True):
+        if raw is not None:
+            try:
+                out[field] = max(int(raw), 0)
+            except ValueError:
+                continue
+    return out
 
 
 def _provider_view(
@@ -148,6 +258,7 @@ def _provider_view(
     capacity = int(fields["capacity"]) if "capacity" in fields else prov.capacity
     in_flight = int(fields.get("in_flight", 0))
     reported = _json_list(fields.get("reported_models"))
+    endpoints = _json_list(fields.get("endpoints"))
     missing = [m for m in prov.models if reported is not None and m not in reported]
     hb_ms = fields.get("hb_ms")
     return ProviderView(
@@ -168,4 +279,6 @@ def _provider_view(
         lifecycle_capabilities=flags_for(prov.type),
         heartbeat_age_ms=max(now - int(hb_ms), 0) if hb_ms else None,
         model_groups=groups,
+        endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),
+        slots=_slots(fields.get("slots")),
     )

@@ -30,6 +30,9 @@ class Start(msgspec.Struct, tag="start", array_like=True):
     meta: Meta
     status: int
     chunks: list[bytes] = []
+    content_type: str = "text/event-stream"
+    # The provider's headers that pass on to the caller (workers/adapters/base.py).
+    headers: dict[str, str] = {}
 
 
 class Chunks(msgspec.Struct, tag="chunks", array_like=True):
@@ -42,6 +45,8 @@ class Chunks(msgspec.Struct, tag="chunks", array_like=True):
 class End(msgspec.Struct, tag="end", array_like=True):
     # Set only when the stream produced no chunk at all (no Start event carried it).
     meta: Meta | None = None
+    # The provider ended it with ``data: [DONE]`` (relayed only then).
+    done: bool = True
 
 
 class Done(msgspec.Struct, tag="done", array_like=True):
@@ -49,6 +54,7 @@ class Done(msgspec.Struct, tag="done", array_like=True):
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: dict[str, str] = {}
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -59,11 +65,12 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     # A provider's own 4xx answer, passed through unchanged.
     body: bytes | None = None
     content_type: str = "application/json"
+    headers: dict[str, str] = {}
 
     @classmethod
     def from_error(cls, exc: RequestError, meta: Meta | None = None) -> Failed:
         if isinstance(exc, ProviderRejected):
-            return cls(exc.status, exc.code or "", exc.message, meta, exc.raw_body, exc.content_type)
+            return cls(exc.status, exc.code or "", exc.message, meta, exc.raw_body, exc.content_type, exc.headers)
         return cls(exc.status, exc.code or "", exc.message, meta)
 
 
@@ -97,6 +104,7 @@ class Assignment(msgspec.Struct, frozen=True):
     provider: str
     target: str
     model: str
+    lane: str
     replica: str
     endpoint: str
     stream: bool
@@ -120,6 +128,7 @@ class Assignment(msgspec.Struct, frozen=True):
             provider=f[b"p"].decode(),
             target=f[b"t"].decode(),
             model=f[b"m"].decode(),
+            lane=f.get(b"l", b"").decode(),
             replica=f[b"rep"].decode(),
             endpoint=f[b"ep"].decode(),
             stream=f[b"s"] == b"1",
@@ -136,6 +145,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     model: str = msgspec.field(name="m")
     replica: str = msgspec.field(name="rep")
     state: str = msgspec.field(name="st")
+    lane: str = msgspec.field(name="ln", default="")
     seq: int = 0
     deadline_ms: int = msgspec.field(name="d", default=0)
     attempt: int = msgspec.field(name="a", default=1)

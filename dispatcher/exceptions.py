@@ -6,11 +6,17 @@ Hierarchy::
     ├── ConfigError                 the config file is wrong; ``.problems`` lists every problem
     └── RequestError                a request ends with an OpenAI-style error answer
         ├── InvalidRequest          400 invalid_request_error (malformed JSON, no ``model`` …)
+        │   └── UnsupportedEndpoint 400 unsupported_endpoint (no provider of the model serves it)
         ├── Unauthorized            401 invalid_api_key
+        ├── ModelNotAllowed         403 model_not_allowed (outside the tenant's allow-list)
         ├── ModelNotFound           404 model_not_found
+        ├── ResponseNotFound        404 response_not_found (a Responses id iop does not know)
+        ├── ResponseProviderGone    409 response_provider_gone (its provider left the pool)
+        ├── ResponseProviderDown    503 response_provider_unavailable, with Retry-After
         ├── RequestTimeout          408 request_timeout (the body came too slowly)
         ├── BodyTooLarge            413 request_too_large
         ├── QueueFull               429 queue_full, with Retry-After
+        ├── TenantQueueFull         429 tenant_queue_full, with Retry-After
         ├── QueueTimeout            503 queue_timeout, with Retry-After
         ├── Overloaded              503 server_overloaded, with Retry-After
         ├── RedisUnavailable        503 redis_unavailable, with Retry-After
@@ -22,7 +28,9 @@ Hierarchy::
             └── JobCancelled        499 cancelled (only ever seen in logs: the client left)
 
 A ``RequestError`` carries everything the API needs to answer: HTTP status,
-``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``.
+``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``. On the
+Anthropic paths (``/v1/messages``) the same errors answer in Anthropic's shape
+(:func:`anthropic_error_body`).
 Workers send provider errors back to the API as events (``dispatcher.events``),
 so the same classes describe a failure on both sides of Redis. ``error_body`` is the
 JSON of every OpenAI-style error answer, whether or not an exception carries it.
@@ -86,10 +94,39 @@ class InvalidRequest(RequestError):
     code = "invalid_request"
 
 
+class UnsupportedEndpoint(InvalidRequest):
+    code = "unsupported_endpoint"
+
+
+class ResponseNotFound(RequestError):
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
+class ResponseProviderGone(RequestError):
+    status = 409
+    type = "invalid_request_error"
+    code = "response_provider_gone"
+
+
+class ResponseProviderDown(RequestError):
+    status = 503
+    type = "server_error"
+    code = "response_provider_unavailable"
+    retry_after = 5
+
+
 class Unauthorized(RequestError):
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class ModelNotAllowed(RequestError):
+    status = 403
+    type = "permission_error"
+    code = "model_not_allowed"
 
 
 class ModelNotFound(RequestError):
@@ -117,6 +154,13 @@ class QueueFull(RequestError):
     status = 429
     type = "rate_limit_error"
     code = "queue_full"
+    retry_after = 1
+
+
+class TenantQueueFull(RequestError):
+    status = 429
+    type = "rate_limit_error"
+    code = "tenant_queue_full"
     retry_after = 1
 
 
@@ -171,17 +215,22 @@ class ProviderRejected(ProviderError):
     type = "invalid_request_error"
     code = "provider_rejected"
 
-    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def __init__(
+        self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(f"provider answered {status}")
         self.status = status
         self.raw_body = body
         self.content_type = content_type
+        # The provider's own headers that pass on (Retry-After, x-ratelimit-*, ...).
+        self.headers.update(headers or {})
 
 
 _BY_CODE: dict[str, type[RequestError]] = {
     cls.code: cls
     for cls in (
         InvalidRequest,
+        UnsupportedEndpoint,
         Unauthorized,
         BodyTooLarge,
         QueueFull,
@@ -195,6 +244,18 @@ _BY_CODE: dict[str, type[RequestError]] = {
     )
     if cls.code is not None
 }
+
+
+# Anthropic's error types, by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    """Anthropic's error answer: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_from_code(code: str, message: str) -> RequestError:

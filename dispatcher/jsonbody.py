@@ -7,6 +7,8 @@ inputs, long conversations) costs one scan, not a full parse and re-encode.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 
 from dispatcher.exceptions import InvalidRequest
@@ -14,11 +16,25 @@ from dispatcher.exceptions import InvalidRequest
 _object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _str = msgspec.json.Decoder(str)
 _opt_bool = msgspec.json.Decoder(bool | None)
+_opt_str = msgspec.json.Decoder(str | None)
 _encode = msgspec.json.encode
+
+
+class Parsed(NamedTuple):
+    model: str
+    stream: bool
+    # Responses API: the stored response this one continues.
+    previous_response_id: str | None = None
 
 
 def parse_request(body: bytes) -> tuple[str, bool]:
     """The ``model`` and ``stream`` of a request body, or InvalidRequest saying what is wrong."""
+    parsed = read_request(body)
+    return parsed.model, parsed.stream
+
+
+def read_request(body: bytes) -> Parsed:
+    """What iop reads of a JSON request body, or InvalidRequest saying what is wrong."""
     try:
         obj = _object.decode(body)
     except msgspec.ValidationError:
@@ -42,7 +58,15 @@ def parse_request(body: bytes) -> tuple[str, bool]:
         raise InvalidRequest(f"Invalid type for 'stream': {exc}", param="stream") from None
     if not model:
         raise InvalidRequest("You must provide a model parameter", param="model")
-    return model, stream
+    raw_previous = obj.get("previous_response_id")
+    previous = None
+    if raw_previous is not None:
+        try:
+            previous = _opt_str.decode(raw_previous)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"Invalid type for 'previous_response_id': {exc}",
+                                 param="previous_response_id") from None
+    return Parsed(model, stream, previous)
 
 
 def with_model(body: bytes, model: str) -> bytes:
@@ -50,6 +74,47 @@ def with_model(body: bytes, model: str) -> bytes:
     obj = _object.decode(body)
     obj["model"] = msgspec.Raw(_encode(model))
     return _encode(obj)
+
+
+def renamed(payload: bytes, model: str) -> bytes:
+    """``payload`` with its ``model`` -- top-level, or in the ``response`` (Responses events)
+    or ``message`` (Messages ``message_start``) object it carries -- set to ``model``
+    wherever it is present; anything that is not such a JSON object as it was."""
+    try:
+        obj = _object.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return payload
+    changed = False
+    if "model" in obj:
+        obj["model"] = msgspec.Raw(_encode(model))
+        changed = True
+    for holder in ("response", "message"):
+        inner = obj.get(holder)
+        if inner is not None and b'"model"' in bytes(inner):
+            try:
+                nested = _object.decode(inner)
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if "model" in nested:
+                nested["model"] = msgspec.Raw(_encode(model))
+                obj[holder] = msgspec.Raw(_encode(nested))
+                changed = True
+    return _encode(obj) if changed else payload
+
+
+class _Typed(msgspec.Struct):
+    type: str | None = None
+
+
+_typed = msgspec.json.Decoder(_Typed)
+
+
+def event_type(data: bytes) -> str | None:
+    """The ``type`` of a JSON event object, if it has a string one."""
+    try:
+        return _typed.decode(data).type
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 def is_json_object(data: bytes) -> bool:

@@ -7,7 +7,12 @@ and every script can be given all of its keys in KEYS.
 |--------------------------|--------|----------------------------------------------------------------|
 | ``{iop}:p:<provider>``   | hash   | node, type, category, capacity, models, health, hb_ms, hb_exp,  |
 |                          |        | in_flight, probe reason (written by its node's worker)         |
-| ``{iop}:q:<model>``      | zset   | waiting jobs of a model group: job id -> submit seq (FIFO)     |
+| ``{iop}:q:<model>``      | zset   | waiting jobs of a model group's lane: job id -> submit seq     |
+|  ``[|<providers>]``      |        | (FIFO), or its fair-queuing tag with flow control; the lane of |
+|  ``[#<band>]``           |        | all its providers has no suffix, a lane of some (an endpoint   |
+|                          |        | only they serve, a stored response) lists them, a priority     |
+|                          |        | band other than the default names it:                          |
+|                          |        | ``{iop}:q:qwen|gpu1,gpu2#batch``  (dispatcher/plans.py)        |
 | ``{iop}:n:<node>``       | stream | jobs dispatched to a node, with the rewritten target; group    |
 |                          |        | ``workers`` is consumed by that node's worker processes        |
 | ``{iop}:r:<replica>``    | stream | events for the requests one API process is waiting on         |
@@ -20,6 +25,13 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:seq``            | string | submit counter (global FIFO order across groups)               |
 | ``{iop}:fence``          | string | dispatch counter (fencing tokens)                              |
 | ``{iop}:reaper``         | string | the reaper round lock (owner, expires after one interval)     |
+| ``{iop}:tenants``        | hash   | flow control: ``q:<tenant>[:<model>]`` waiting, ``r:...``      |
+|                          |        | running jobs of each tenant                                    |
+| ``{iop}:tenant:limits``  | hash   | tenant -> max_in_flight (written by the API from its config)   |
+| ``{iop}:vt``             | hash   | lane queue key -> virtual time (tag of its last dispatch)      |
+| ``{iop}:ft``             | hash   | lane queue key \\t tenant -> start tag of the tenant's next job |
+| ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
+| ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
 |                          |        | on a new server, expiries are renewed before anyone is judged |
 
@@ -39,6 +51,12 @@ SEQ = f"{PREFIX}:seq"
 REPLICAS = f"{PREFIX}:replicas"
 REAPER_LOCK = f"{PREFIX}:reaper"
 REAPER_SEEN = f"{PREFIX}:reaper:seen"
+TENANTS = f"{PREFIX}:tenants"
+TENANT_LIMITS = f"{PREFIX}:tenant:limits"
+VIRTUAL_TIME = f"{PREFIX}:vt"
+FINISH_TAGS = f"{PREFIX}:ft"
+RESPONSES = f"{PREFIX}:responses"
+RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"
 
 # The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
 # fifth (lua/lib/pump.lua).
@@ -53,8 +71,11 @@ def provider(provider_id: str) -> str:
     return f"{PREFIX}:p:{provider_id}"
 
 
-def queue(model_id: str) -> str:
-    return f"{PREFIX}:q:{model_id}"
+def queue(model_id: str, lane: str = "") -> str:
+    """``lane``: its providers (none for all of them), then ``#band`` if not the default band."""
+    if not lane or lane.startswith("#"):
+        return f"{PREFIX}:q:{model_id}{lane}"
+    return f"{PREFIX}:q:{model_id}|{lane}"
 
 
 def node(node_id: str) -> str:

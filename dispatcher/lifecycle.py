@@ -7,6 +7,7 @@ runtime could do, it never loads or unloads models itself).
 | lemonade   | yes  | yes  | yes    | yes  | yes    |
 | vllm       | yes  | no   | no     | no   | no     |
 | sglang     | yes  | no   | no     | no   | no     |
+| llamacpp   | yes  | no   | no     | no   | no     |
 | openai_api | yes  | no   | no     | no   | no     |
 | cli        | no   | no   | no     | no   | no     |
 
@@ -14,7 +15,8 @@ Why: Ollama (``/api/tags``, load by request, ``keep_alive: 0``, ``/api/pull``,
 ``/api/delete``) and Lemonade (``/api/v1/models``, ``/load``, ``/unload``, ``/pull``,
 ``/delete``) manage models at run time. vLLM and SGLang serve the one model they were
 launched with: ``/v1/models`` lists it, while LoRA adapters, sleep mode or SGLang's
-``update_weights`` do not change which model is served. A hosted OpenAI-style API's
+``update_weights`` do not change which model is served; llama.cpp's ``llama-server``
+likewise serves the model file it was started with. A hosted OpenAI-style API's
 catalog is read-only to its callers. A cli provider is a command: it serves what its
 config says and reports nothing.
 """
@@ -40,6 +42,7 @@ FLAGS: dict[str, LifecycleFlags] = {
     "lemonade": _ALL,
     "vllm": _LIST_ONLY,
     "sglang": _LIST_ONLY,
+    "llamacpp": _LIST_ONLY,
     "openai_api": _LIST_ONLY,
     "cli": LifecycleFlags(),
 }

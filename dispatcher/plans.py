@@ -1,8 +1,19 @@
 """Which keys a dispatch script needs, worked out once from the config.
 
-A script may only touch keys it is given. Pumping a set of model groups touches each
-group's queue and, for every candidate, the provider hash and the node stream. A
-:class:`Plan` holds those keys and the JSON that tells the script where they are
+A model group is split into *lanes*, one per set of its providers that some request can
+go to: the lane of all its providers (the only one when every provider serves every
+endpoint the model is asked for), the lane of the providers that serve an endpoint not
+all of them serve (``rerank`` on one box of three), and a lane of one provider for the
+requests that must go to it (a stored Response lives there). With priority bands
+(``dispatcher/tenants.py``) each of these is split once more, one lane per band. Each
+lane is a FIFO queue (fair-queued between tenants under flow control); heads of
+different lanes are compared by their global submit order (under flow control: band,
+then fair share), so a freed slot still goes to the request that can use it and is due
+first.
+
+A script may only touch keys it is given. Pumping a set of lanes touches each lane's
+queue and, for every candidate, the provider hash and the node stream. A :class:`Plan`
+holds those keys and the JSON that tells the script where they are
 (``lua/lib/pump.lua``). Plans are built once at start-up: the request path only
 concatenates lists.
 """
@@ -16,6 +27,7 @@ import msgspec
 
 from dispatcher import keys
 from dispatcher.config import Config, ModelConfig
+from dispatcher.tenants import bands, flow_control
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +43,19 @@ class Plan:
         return ks, [self.spec, offset, lease_ms]
 
 
-def build(config: Config, models: Iterable[ModelConfig]) -> Plan:
+@dataclass(frozen=True, slots=True)
+class Lane:
+    model: str
+    name: str  # "" for the lane of all the model's providers (default band); "a,b#batch" ...
+    providers: tuple[str, ...]  # sorted
+    band: int = 0  # rank, 0 first
+
+    @property
+    def queue(self) -> str:
+        return keys.queue(self.model, self.name)
+
+
+def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     node_of = {prov.id: node.id for node, prov in config.providers()}
     index: dict[str, int] = {}
 
@@ -41,23 +65,89 @@ def build(config: Config, models: Iterable[ModelConfig]) -> Plan:
         return index[key]
 
     groups = []
-    for model in models:
+    for lane in lanes:
+        model = config.model(lane.model)
+        assert model is not None
         cands = [
-            [pid, served, pos(keys.provider(pid)), pos(keys.node(node_of[pid])), node_of[pid]]
-            for pid, served in sorted(model.providers.items())
+            [pid, model.providers[pid], pos(keys.provider(pid)), pos(keys.node(node_of[pid])), node_of[pid]]
+            for pid in lane.providers
             if pid in node_of
         ]
-        groups.append({"m": model.id, "q": pos(keys.queue(model.id)), "c": cands})
-    return Plan(keys=tuple(index), spec=msgspec.json.encode(groups))
+        group = {"m": lane.model, "l": lane.name, "q": pos(lane.queue), "c": cands}
+        if fair:
+            group["b"] = lane.band
+        groups.append(group)
+    if not fair:
+        return Plan(keys=tuple(index), spec=msgspec.json.encode(groups))
+    head = {"t": pos(keys.TENANTS), "lim": pos(keys.TENANT_LIMITS), "v": pos(keys.VIRTUAL_TIME),
+            "f": pos(keys.FINISH_TAGS)}
+    return Plan(keys=tuple(index), spec=msgspec.json.encode({"g": groups, **head}))
+
+
+def model_lanes(config: Config, model: ModelConfig) -> tuple[Lane, dict[str, Lane], dict[str, Lane]]:
+    """The model's lane of all providers, its lane per endpoint, and its lane per provider."""
+    served = {prov.id: prov.served_endpoints for _, prov in config.providers() if prov.id in model.providers}
+    everyone = tuple(sorted(served))
+
+    def lane(pids: Iterable[str]) -> Lane:
+        members = tuple(sorted(pids))
+        return Lane(model.id, "" if members == everyone else ",".join(members), members)
+
+    endpoints = {ep for eps in served.values() for ep in eps}
+    by_endpoint = {ep: lane(pid for pid, eps in served.items() if ep in eps) for ep in sorted(endpoints)}
+    by_provider = {pid: lane([pid]) for pid in everyone}
+    return lane(everyone), by_endpoint, by_provider
 
 
 class Plans:
-    """The plan of every model group and of every provider (the groups it serves)."""
+    """Every lane of every model group, and the plans that pump them."""
 
     def __init__(self, config: Config) -> None:
-        self.empty = build(config, [])
-        self.by_model = {m.id: build(config, [m]) for m in config.models}
+        self.fair = flow_control(config)
+        self.bands = bands(config)
+        default = config.api.default_priority
+        self.default_band = self.bands.index(default) if default in self.bands else 0
+        self.empty = build(config, [], self.fair)
+        self.lanes_by_model: dict[str, list[Lane]] = {}
+        self._main: dict[str, Lane] = {}
+        self.endpoint_lane: dict[tuple[str, str], Lane] = {}
+        self.provider_lane: dict[tuple[str, str], Lane] = {}
+        for model in config.models:
+            everyone, by_endpoint, by_provider = model_lanes(config, model)
+            self._main[model.id] = self.banded(everyone, self.default_band)
+            lanes = {everyone.name: everyone}
+            for ep, ln in by_endpoint.items():
+                self.endpoint_lane[(model.id, ep)] = self.banded(ln, self.default_band)
+                lanes.setdefault(ln.name, ln)
+            for pid, ln in by_provider.items():
+                self.provider_lane[(model.id, pid)] = self.banded(ln, self.default_band)
+                lanes.setdefault(ln.name, ln)
+            self.lanes_by_model[model.id] = [self.banded(ln, rank) for ln in lanes.values()
+                                             for rank in range(len(self.bands))]
+        self.by_lane = {(ln.model, ln.name): build(config, [ln], self.fair)
+                        for lanes in self.lanes_by_model.values() for ln in lanes}
         self.by_provider = {
-            prov.id: build(config, [m for m in config.models if prov.id in m.providers])
+            prov.id: build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes
+                                    if prov.id in ln.providers], self.fair)
             for _, prov in config.providers()
         }
+
+    def banded(self, lane: Lane, band: int) -> Lane:
+        """``lane`` in priority band ``band`` (its queue is named after the band unless it is
+        the default one)."""
+        base = lane.name.partition("#")[0]
+        name = base if band == self.default_band else f"{base}#{self.bands[band]}"
+        return Lane(lane.model, name, lane.providers, band)
+
+    def main_lane(self, model_id: str) -> Lane:
+        """The lane of all the model's providers, in the default band."""
+        return self._main[model_id]
+
+    def lane_for(self, model_id: str, endpoint: str) -> Lane | None:
+        """The lane of the providers of ``model_id`` that serve ``endpoint`` (default band);
+        None if none does."""
+        return self.endpoint_lane.get((model_id, endpoint))
+
+    def pinned_lane(self, model_id: str, provider_id: str) -> Lane | None:
+        """The lane that holds ``provider_id`` alone (default band), if it serves ``model_id``."""
+        return self.provider_lane.get((model_id, provider_id))

@@ -11,13 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from dispatcher import events, keys
-from dispatcher.config import Config, ModelConfig
+from dispatcher.config import Config
 from dispatcher.events import Assignment, JobRecord
 from dispatcher.fastredis import Arg
-from dispatcher.plans import Plans
+from dispatcher.plans import Lane, Plans
 from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenant
+
+# The tenant of a job submitted without one (tests, benchmarks).
+DEFAULT = Tenant("default", 0)
 
 # A replica's reply stream and job set outlive its last heartbeat by this much, so a
 # dead replica's keys expire even if no reaper ever runs again.
@@ -29,6 +34,8 @@ class SubmitStatus(StrEnum):
     QUEUED = "queued"
     FULL = "full"  # refused: max_queue jobs already wait
     DUPLICATE = "duplicate"  # a retried submit whose first try went through
+    UNAVAILABLE = "unavailable"  # pinned to one provider, which cannot take work
+    TENANT_FULL = "tenant_full"  # its tenant has max_queued jobs waiting
 
 
 class CancelReason(StrEnum):
@@ -57,6 +64,11 @@ class FinishOutcome(StrEnum):
     FAILED = "failed"  # given up after output started: its client got the event
     DROPPED = "dropped"  # given up, and its client had left
     STALE = "stale"  # taken over: nothing changed
+
+
+# How a worker ends a dispatch (lua/finish.lua): answered; given up unfinished (shutdown);
+# or failed by its provider before any output, to be tried on another provider of its lane.
+FinishMode = Literal["done", "requeue", "retry"]
 
 
 class ReapOutcome(StrEnum):
@@ -114,26 +126,31 @@ class ScriptCalls:
         self.plans = plans
         d = config.dispatch
         self._lease_ms = d.lease_ms
-        self._submit_plans = {m.id: plans.by_model[m.id] for m in config.models}
         self._queue_limits = {m.id: (config.queue_timeout_ms(m), config.max_queue(m)) for m in config.models}
 
     # --- the API side -----------------------------------------------------------------------
 
     async def submit(
-        self, job: str, model: ModelConfig, replica: str, body: bytes, endpoint: str, stream: bool
+        self, job: str, lane: Lane, replica: str, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
+        tenant: Tenant | None = None,
     ) -> Submitted:
-        ks, head = self._submit_plans[model.id].args(
-            (*keys.PUMP_KEYS, keys.SEQ, keys.queue(model.id), keys.replica_jobs(replica)), self._lease_ms
+        """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``)."""
+        ks, head = self.plans.by_lane[(lane.model, lane.name)].args(
+            (*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica)), self._lease_ms
         )
-        timeout_ms, max_queue = self._queue_limits[model.id]
-        status, queued, deadline, now = await self.scripts.submit(
-            ks, [*head, job, body, model.id, replica, endpoint, int(stream), timeout_ms, max_queue]
-        )
+        timeout_ms, max_queue = self._queue_limits[lane.model]
+        args: list[Arg] = [*head, job, body, lane.model, replica, endpoint, int(stream), timeout_ms, max_queue,
+                           lane.name, int(pinned)]
+        if self.plans.fair:
+            t = tenant or DEFAULT
+            args += [t.name, repr(t.weight), t.max_queued or 0]
+        status, queued, deadline, now = await self.scripts.submit(ks, args)
         return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now))
 
-    async def cancel(self, job: str, model_id: str, replica: str, reason: CancelReason) -> Cancelled:
+    async def cancel(self, job: str, queue_key: str, replica: str, reason: CancelReason) -> Cancelled:
+        """``queue_key``: the queue of the job's lane."""
         outcome, wait_ms = await self.scripts.cancel(
-            [*keys.JOB_KEYS, keys.queue(model_id), keys.replica_jobs(replica)],
+            [*keys.JOB_KEYS, queue_key, keys.replica_jobs(replica), keys.TENANTS],
             [job, reason, keys.CANCEL_CHANNEL_PREFIX],
         )
         return Cancelled(CancelOutcome(outcome.decode()), int(wait_ms))
@@ -156,13 +173,13 @@ class ScriptCalls:
         return EmitOutcome(result.decode())
 
     async def finish(
-        self, job: Assignment, node: str, event: bytes | None, *, requeue: bool = False
+        self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done"
     ) -> FinishOutcome:
-        ks, head = self._settle_args(job.provider, node, job.replica, job.model)
+        ks, head = self._settle_args(job.provider, node, job.replica, keys.queue(job.model, job.lane))
         outcome, _ = await self.scripts.finish(
             ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             "requeue" if requeue else "done", self.config.dispatch.max_attempts, events.REQUEUED],
+             mode, self.config.dispatch.max_attempts, events.REQUEUED],
         )
         return FinishOutcome(outcome.decode())
 
@@ -184,6 +201,12 @@ class ScriptCalls:
             flat += [name, value]
         return int(await self.scripts.heartbeat(ks, [*head, health, self.config.dispatch.heartbeat_ttl_ms, *flat]))
 
+    async def remember_response(self, response_id: str, provider: str, model: str) -> None:
+        r = self.config.responses
+        await self.scripts.remember_response(
+            [keys.RESPONSES, keys.RESPONSES_BY_EXPIRY], [response_id, provider, model, r.id_ttl_s * 1000, r.max_ids]
+        )
+
     # --- maintenance ------------------------------------------------------------------------
 
     async def reap_round(self, run_id: str) -> Round:
@@ -196,7 +219,7 @@ class ScriptCalls:
 
     async def reap_lease(self, job: str, rec: JobRecord, provider: str, node: str, lost_event: bytes) -> ReapOutcome:
         """``provider`` and ``node``: the record's, which a dispatched job always has."""
-        ks, head = self._settle_args(provider, node, rec.replica, rec.model, keys.REAPER_SEEN)
+        ks, head = self._settle_args(provider, node, rec.replica, keys.queue(rec.model, rec.lane), keys.REAPER_SEEN)
         outcome, _ = await self.scripts.reap_lease(
             ks,
             [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, lost_event, REPLY_KEEP_MS,
@@ -209,15 +232,15 @@ class ScriptCalls:
         return [Correction(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
 
     def _settle_args(
-        self, provider: str, node: str, replica: str, model: str, *extra: str
+        self, provider: str, node: str, replica: str, queue_key: str, *extra: str
     ) -> tuple[list[str], list[Arg]]:
         """KEYS and ARGV head of the scripts that end a dispatch (finish, reap_lease): the job's
-        node stream, reply stream, replica set, provider and queue, ``extra``, then the plan of
-        every group the provider serves, which they pump with the freed slot."""
+        node stream, reply stream, replica set, provider and lane queue, ``extra``, then the
+        plan of every lane the provider is in, which they pump with the freed slot."""
         plan = self.plans.by_provider.get(provider, self.plans.empty)
         ks, head = plan.args(
             (*keys.PUMP_KEYS, keys.node(node), keys.reply(replica), keys.replica_jobs(replica),
-             keys.provider(provider), keys.queue(model), *extra),
+             keys.provider(provider), queue_key, *extra),
             self._lease_ms,
         )
         return ks, list(head)

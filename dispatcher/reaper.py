@@ -179,4 +179,4 @@ class Reaper:
                     await self.redis.zrem(keys.DEADLINES, job)
                 continue
             rec = decode_record(raw)
-            await self.calls.cancel(job, rec.model, rec.replica, CancelReason.CLIENT)
+            await self.calls.cancel(job, keys.queue(rec.model, rec.lane), rec.replica, CancelReason.CLIENT)

@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile")
+         "reconcile", "remember_response")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -84,6 +84,7 @@ class Scripts:
         self.reap_lease = Script(redis, fast, "reap_lease")
         self.replica = Script(redis, fast, "replica")
         self.reconcile = Script(redis, fast, "reconcile")
+        self.remember_response = Script(redis, fast, "remember_response")
 
     def all(self) -> list[Script]:
         return [getattr(self, name) for name in NAMES]

@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 from dispatcher import keys
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
-from dispatcher.protocol import Abort, EmitOutcome, FinishOutcome, ScriptCalls
+from dispatcher.protocol import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
 
 
 class WorkerSide:
@@ -33,11 +33,15 @@ class WorkerSide:
         else:
             await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
 
-    async def finish(self, job: Assignment, event: bytes | None, *, requeue: bool = False) -> FinishOutcome:
-        """Final event + release + ack; with ``requeue`` (the worker gives the job up
-        unfinished) the job is dispatched again if none of its output reached the client,
-        else its client gets ``event``."""
-        return await self.calls.finish(job, self.node_id, event, requeue=requeue)
+    async def finish(self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done") -> FinishOutcome:
+        """Final event + release + ack. ``requeue`` (the worker gives the job up unfinished)
+        and ``retry`` (its provider failed it before any output) dispatch it again if none
+        of its output reached the client, else its client gets ``event``."""
+        return await self.calls.finish(job, self.node_id, event, mode=mode)
+
+    async def remember_response(self, response_id: str, job: Assignment) -> None:
+        """A stored Response was made by the job's provider: later calls on it go there."""
+        await self.calls.remember_response(response_id, job.provider, job.model)
 
     async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
         """Extend the leases of (job, fence) runs; the runs to abort."""

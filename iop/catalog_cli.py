@@ -1,17 +1,39 @@
-"""``iop catalog``: the provider catalog of a running iop as a terminal table."""
+"""``iop catalog``: the provider catalog of a running iop as a terminal table.
+
+One row per provider, grouped by node; under it, its probe's reason (when it has one) and
+the endpoints it serves, short names on one line (``chat`` for ``chat/completions``,
+``speech`` for ``audio/speech``...) wrapped to fit :data:`WIDTH` columns. The load column
+shows ``in_flight/capacity`` and, when the runtime reports a different number of parallel
+slots (llama.cpp), that hint: ``1/4 (slots 8)``.
+
+With flow control, a table of the tenants (band, weight, jobs waiting and running, limits)
+follows the providers when there is more than the ``default`` tenant, and each model group
+lists the tenants with jobs waiting or running in it."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import textwrap
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 GREEN, RED, YELLOW, DIM, BOLD, RESET = "\033[32m", "\033[31m", "\033[33m", "\033[2m", "\033[1m", "\033[0m"
 HEALTH_COLOUR = {"available": GREEN, "unavailable": RED, "unknown": YELLOW}
 BAR_WIDTH = 10
+WIDTH = 120
+# Short names of the endpoints whose name has a prefix (the others are short already).
+SHORT_ENDPOINTS = {
+    "chat/completions": "chat",
+    "messages/count_tokens": "count_tokens",
+    "audio/transcriptions": "transcriptions",
+    "audio/translations": "translations",
+    "audio/speech": "speech",
+    "images/generations": "images",
+}
 
 
 def fetch(url: str, key: str | None, timeout: float = 10.0) -> dict[str, Any]:
@@ -28,6 +50,19 @@ def bar(in_flight: int, capacity: int) -> str:
     return "█" * filled + "░" * (BAR_WIDTH - filled)
 
 
+def capacity_text(p: dict[str, Any]) -> str:
+    """``in_flight/capacity``, with the runtime's own slot count when it says one that differs."""
+    slots = p.get("slots")
+    hint = f" (slots {slots})" if slots is not None and slots != p["capacity"] else ""
+    return f"{p['in_flight']}/{p['capacity']}{hint}"
+
+
+def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
+    text = ", ".join(SHORT_ENDPOINTS.get(e, e) for e in endpoints) or "none"
+    return textwrap.wrap(f"endpoints: {text}", WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
 def render(doc: dict[str, Any], colour: bool) -> str:
     def paint(text: str, code: str) -> str:
         return f"{code}{text}{RESET}" if colour else text
@@ -41,7 +76,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             ratio = "-" if p["load_ratio"] is None else f"{p['load_ratio']:.2f}"
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
             cells = [p["id"], p["type"], p["category"], p["health"],
-                     f"{bar(p['in_flight'], p['capacity'])} {p['in_flight']}/{p['capacity']} {ratio}",
+                     f"{bar(p['in_flight'], p['capacity'])} {capacity_text(p)} {ratio}",
                      str(p["queued"]), models]
             codes: list[str | None] = [None, None, None, HEALTH_COLOUR.get(p["health"]), None, None, None]
             rows.append((node["id"], cells, codes))
@@ -57,9 +92,15 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         padded = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
         lines.append("  " + "  ".join(paint(c, code) if code else c
                                       for c, code in zip(padded, codes, strict=True)).rstrip())
-        reason = providers[cells[0]]["reason"]
-        if reason:
-            lines.append("    " + paint(reason, DIM))
+        p = providers[cells[0]]
+        if p["reason"]:
+            lines.append("    " + paint(p["reason"], DIM))
+        if "endpoints" in p:  # an older iop's catalog has none
+            lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))
+    tenants = doc.get("tenants") or []  # an older iop's catalog has none
+    if any(t["name"] != "default" for t in tenants):
+        lines.append("")
+        lines.extend(tenant_lines(tenants, paint))
     lines.append("")
     lines.append(paint("model groups", BOLD))
     for m in doc["models"]:
@@ -70,7 +111,28 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             lines.append(f"    {c['provider']} -> {c['served_name']}  "
                          f"{paint(c['health'], HEALTH_COLOUR.get(c['health'], ''))}  "
                          f"{c['in_flight']}/{c['capacity']}")
+        for u in m.get("tenants") or []:
+            lines.append(f"    tenant {u['tenant']}: queued {u['queued']}, in flight {u['in_flight']}")
     return "\n".join(lines)
+
+
+def limits_text(t: dict[str, Any]) -> str:
+    """A tenant's limits: ``queued <= 100, in flight <= 4``, or ``-``."""
+    parts = [f"{what} <= {t[field]}" for what, field in (("queued", "max_queued"), ("in flight", "max_in_flight"))
+             if t.get(field) is not None]
+    return ", ".join(parts) or "-"
+
+
+def tenant_lines(tenants: list[dict[str, Any]], paint: Callable[[str, str], str]) -> list[str]:
+    """The tenants table: one row per configured tenant, in config order."""
+    headers = ["TENANT", "BAND", "WEIGHT", "QUEUED", "IN FLIGHT", "LIMITS"]
+    rows = [[t["name"], t["band"], f"{t['weight']:g}", str(t["queued"]), str(t["in_flight"]), limits_text(t)]
+            for t in tenants]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = [paint("tenants", BOLD),
+             "  " + "  ".join(paint(h.ljust(w), DIM) for h, w in zip(headers, widths, strict=True))]
+    lines.extend("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return lines
 
 
 def main(url: str, as_json: bool, key_env: str, colour: bool | None) -> int:

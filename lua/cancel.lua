@@ -4,6 +4,7 @@
 -- KEYS[1..4] jobs, bodies, leases, deadlines (see lib/jobs.lua)
 -- KEYS[5]    the job's group queue zset
 -- KEYS[6]    the job's replica job set
+-- KEYS[7]    the tenants hash (flow control's counters, lib/jobs.lua)
 -- ARGV[1]    job id
 -- ARGV[2]    reason: 'timeout' (queue deadline; a dispatched job keeps running)
 --                    | 'client' (the caller left: a running job is aborted too)
@@ -17,6 +18,7 @@
 --!include lib/jobs.lua
 
 local QUEUE, REPLICA_JOBS = KEYS[5], KEYS[6]
+TENANTS = KEYS[7]
 local job, reason = ARGV[1], ARGV[2]
 
 local rec = get_record(job)
@@ -30,6 +32,7 @@ if rec.st == 'q' then
     return {'wait', rec.d - now}
   end
   redis.call('ZREM', QUEUE, job)
+  count(rec, 'q', -1)
   drop_job(job, REPLICA_JOBS)
   return {'removed', 0}
 end

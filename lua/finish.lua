@@ -6,7 +6,7 @@
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
--- KEYS[9]    provider hash   KEYS[10] the job's group queue
+-- KEYS[9]    provider hash   KEYS[10] the job's lane queue
 -- KEYS[..]   plan keys of the provider's groups
 -- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
@@ -15,6 +15,9 @@
 -- ARGV[10]   'done' | 'requeue': the worker gave the job up unfinished (shutdown); it is
 --            dispatched again if none of its output reached the client and attempts are
 --            left, else its client gets the final event
+--            | 'retry': the provider failed the job before any output (unreachable, 5xx);
+--            as 'requeue', but never to this provider again, and only if another healthy
+--            provider of its lane could take it
 -- ARGV[11]   max attempts (requeue only)     ARGV[12] requeued event for the client (requeue only)
 -- Returns {outcome, dispatched}; outcome 'released' | 'requeued' | 'failed' | 'dropped' | 'stale'
 --!include lib/jobs.lua
@@ -31,11 +34,18 @@ local rec = get_record(job)
 if not owned(rec, ARGV[5]) then
   return {'stale', 0}
 end
-release_slot(job, PROVIDER)
+release_slot(job, PROVIDER, rec)
 local now = now_ms()
 local outcome = 'released'
-if ARGV[10] == 'requeue' then
-  outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[11]), event, ARGV[12],
+if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then
+  local max_attempts = tonumber(ARGV[11])
+  if ARGV[10] == 'retry' then
+    local x = rec.x or {}
+    x[#x + 1] = rec.p
+    rec.x = x
+    if not other_candidate(QUEUE, rec, now) then max_attempts = 0 end
+  end
+  outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, max_attempts, event, ARGV[12],
                         tonumber(ARGV[9]), now)
 else
   if event ~= '' and rec.st ~= 'c' then

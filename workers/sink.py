@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 from redis.exceptions import RedisError
 
@@ -51,6 +52,9 @@ class RedisSink:
         self.job = job
         self.meta = Meta(job.provider, node_id, job.target, job.queue_ms, job.attempt)
         self.status = 200
+        self.content_type = "text/event-stream"
+        self.headers: dict[str, str] = {}
+        self.upstream_done = True
         self.started = False  # emit succeeded: output may have reached the client
         self.hold_s = hold_s
         self._final: events.Event | None = None
@@ -61,8 +65,15 @@ class RedisSink:
         self._failing_since: float | None = None
         self._retry_at = 0.0
 
-    async def start(self, status: int) -> None:
+    async def start(
+        self, status: int, content_type: str = "text/event-stream", headers: Mapping[str, str] | None = None
+    ) -> None:
         self.status = status
+        self.content_type = content_type
+        self.headers = dict(headers or {})
+
+    def ended(self, upstream_done: bool) -> None:
+        self.upstream_done = upstream_done
 
     async def chunks(self, payloads: list[bytes]) -> None:
         self._pending.extend(payloads)
@@ -98,7 +109,8 @@ class RedisSink:
                 self._pending, self._pending_bytes = [], 0
             seq, batch = self._unacked
             if seq == 0:
-                outcome = await self.side.emit(self.job, events.encode(Start(self.meta, self.status, batch)))
+                start = Start(self.meta, self.status, batch, self.content_type, self.headers)
+                outcome = await self.side.emit(self.job, events.encode(start))
                 if outcome != EmitOutcome.OK:
                     raise JobAborted(outcome)
                 self.started = True
@@ -114,11 +126,13 @@ class RedisSink:
         """Forget held output (the job ends with an error instead)."""
         self._pending, self._pending_bytes, self._unacked = [], 0, None
 
-    async def done(self, status: int, body: bytes, content_type: str) -> None:
-        self._final = Done(self.meta, status, body, content_type)
+    async def done(
+        self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        self._final = Done(self.meta, status, body, content_type, dict(headers or {}))
 
     def final_event(self) -> events.Event:
         """What ``finish`` writes after a successful call (once ``flush`` wrote the rest)."""
         if self._final is not None:
             return self._final
-        return End(None if self._seq > 0 else self.meta)
+        return End(None if self._seq > 0 else self.meta, self.upstream_done)

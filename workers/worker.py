@@ -42,6 +42,8 @@ from redis.exceptions import RedisError
 from dispatcher import events, keys
 from dispatcher.backoff import Backoff
 from dispatcher.config import Config, NodeConfig
+from dispatcher.endpoints import ENDPOINTS, RESPONSES
+from dispatcher.envelope import JSON, RequestEnvelope, unwrap
 from dispatcher.events import Assignment, Failed
 from dispatcher.exceptions import (
     ConfigError,
@@ -52,16 +54,18 @@ from dispatcher.exceptions import (
     WorkerLost,
 )
 from dispatcher.jsonbody import with_model
+from dispatcher.multipart import with_field
 from dispatcher.plans import Plans
-from dispatcher.protocol import FinishOutcome, ScriptCalls
+from dispatcher.protocol import FinishMode, FinishOutcome, ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import BLOCK_MS, Clients, blocking_timeout, server_warnings
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
-from workers.adapters.base import ENDPOINTS, Adapter, ProbeResult, ProviderCall
+from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
 from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import new_session
 from workers.sink import JobAborted, RedisSink
+from workers.stored_responses import RememberingSink
 
 log = logging.getLogger("iop.worker")
 
@@ -80,6 +84,8 @@ class Running:
     job: Assignment
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     abort_reason: str | None = None
+    # Its provider failed it before any output: another provider of its lane may take it.
+    retry: bool = False
 
     @property
     def key(self) -> RunKey:
@@ -216,7 +222,7 @@ class Worker:
 
     async def _hand_back(self, job: Assignment) -> None:
         lost = Failed.from_error(WorkerLost("the worker shut down before the job started"))
-        await self._finish(Running(job), None, lost, requeue=True)
+        await self._finish(Running(job), None, lost, mode="requeue")
 
     async def _settle_ghosts(self) -> None:
         """Hand back node stream entries delivered to this worker that it does not run.
@@ -322,8 +328,13 @@ class Worker:
             final = Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
         finally:
             with anyio.CancelScope(shield=True):
+                mode: FinishMode = "done"
+                if running.abort_reason == "drain":
+                    mode = "requeue"
+                elif running.retry:
+                    mode = "retry"
                 try:
-                    await self._finish(running, sink, final, requeue=running.abort_reason == "drain")
+                    await self._finish(running, sink, final, mode=mode)
                 finally:
                     self.running.pop(running.key, None)
                     if not self.running and self._idle is not None:
@@ -340,8 +351,10 @@ class Worker:
             try:
                 # No local limiter: the slot accounting in Redis already bounds every worker
                 # of the node together, which a per-process one could not.
-                call = ProviderCall(job.endpoint, with_model(job.body, job.target), job.target, job.stream)
-                await adapter.call(call, sink)
+                out: Sink = sink
+                if job.endpoint == RESPONSES:
+                    out = RememberingSink(sink, lambda rid: self.side.remember_response(rid, job))
+                await adapter.call(provider_call(job, unwrap(job.body)), out)
                 return sink.final_event()
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
@@ -349,6 +362,8 @@ class Worker:
                 if isinstance(exc, ProviderUnreachable | ProviderTimeout):
                     # Find out now, not at the next probe, whether the provider is still there.
                     self._probe_now(job.provider)
+                # Before any output, another provider of the lane may serve it (lua/finish.lua).
+                running.retry = isinstance(exc, ProviderUnreachable) and not sink.started
                 return Failed.from_error(exc, sink.meta)
             except RedisError as exc:
                 # The sink held the output as long as it could (see workers/sink.py).
@@ -358,7 +373,7 @@ class Worker:
         return None
 
     async def _finish(
-        self, running: Running, sink: RedisSink | None, final: events.Event | None, requeue: bool = False
+        self, running: Running, sink: RedisSink | None, final: events.Event | None, mode: FinishMode = "done"
     ) -> None:
         """Write what the sink holds, then the final event with the release; through a Redis
         outage of up to ``OUTAGE_LEASES`` leases (the job stays in ``running`` meanwhile, so
@@ -369,11 +384,12 @@ class Worker:
         failing_since: float | None = None
         while True:
             try:
-                if sink is not None and data is not None and not requeue:
+                if sink is not None and data is not None and mode == "done":
                     await sink.flush()
-                outcome = await self.side.finish(job, data, requeue=requeue)
+                outcome = await self.side.finish(job, data, mode=mode)
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
-                    log.info("job %s given up at shutdown: %s", job.job, outcome)
+                    why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
+                    log.info("job %s %s: %s", job.job, why, outcome)
                 return
             except JobAborted as exc:
                 # The client left (or the job was taken over) before its output was written.
@@ -504,6 +520,21 @@ class Worker:
             ("reason", result.reason),
             ("reported_models", json.dumps(result.models) if result.models is not None else ""),
             ("loaded_models", json.dumps(result.loaded) if result.loaded is not None else ""),
+            ("endpoints", json.dumps(provider.served_endpoints)),
+            ("slots", result.slots if result.slots is not None else ""),
             ("worker", self.worker_id),
         ]
         await self.side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
+
+
+def provider_call(job: Assignment, request: RequestEnvelope) -> ProviderCall:
+    """The call a job makes, its model set to the provider's served name."""
+    body = request.body
+    if body and request.content_type == JSON:
+        body = with_model(body, job.target)
+    elif body and request.content_type.startswith("multipart/form-data"):
+        body = with_field(body, request.content_type, "model", job.target)
+    return ProviderCall(
+        job.endpoint, body, job.target, job.stream, request.method, request.path, request.content_type,
+        request.headers,
+    )

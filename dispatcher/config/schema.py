@@ -10,7 +10,9 @@ from collections.abc import Iterator
 
 import msgspec
 
-PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "openai_api", "cli")
+from dispatcher.endpoints import DEFAULT_ENDPOINTS
+
+PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "llamacpp", "openai_api", "cli")
 HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
 CATEGORIES = ("api", "cli", "local_inference")
 
@@ -20,6 +22,7 @@ DEFAULT_CATEGORY = {
     "sglang": "local_inference",
     "lemonade": "local_inference",
     "ollama": "local_inference",
+    "llamacpp": "local_inference",
     "openai_api": "api",
     "cli": "cli",
 }
@@ -49,9 +52,38 @@ class RedisConfig(_Base, frozen=True):
     sentinel: SentinelConfig | None = None
 
 
+DEFAULT_TENANT = "default"
+
+
+class KeyConfig(_Base, frozen=True):
+    """A named caller key: its name is the request's tenant (flow control, limits, metrics)."""
+
+    name: str
+    # The env var holding the key, or the key's SHA-256 (hex): never the key itself.
+    key_env: str | None = None
+    key_sha256: str | None = None
+    # A band of api.priorities (unset: api.default_priority).
+    priority: str | None = None
+    # Share of slots within its band, relative to the other tenants there.
+    weight: float = 1.0
+    # Model ids it may call (globs); unset = all.
+    models: list[str] | None = None
+    # Across the fleet: waiting at once (beyond, 429 tenant_queue_full), running at once
+    # (beyond, its requests wait without holding anyone else up).
+    max_queued: int | None = None
+    max_in_flight: int | None = None
+
+
 class ApiConfig(_Base, frozen=True):
     # Name of an env var holding comma-separated caller keys; unset = open API.
     api_keys_env: str | None = None
+    # Named caller keys (tenants); the keys of api_keys_env keep working as tenant "default".
+    keys: list[KeyConfig] = []
+    # Priority bands, highest first; a request waits behind every job of a higher band.
+    priorities: list[str] = []
+    default_priority: str = "standard"
+    # Trust this request header for the tenant's name (only behind a load balancer that sets it).
+    tenant_header: str | None = None
     # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
     admin_keys_env: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
@@ -113,15 +145,32 @@ class ProviderConfig(_Base, frozen=True):
     api_key_env: str | None = None
     command: list[str] | None = None
     timeout_s: float = 600.0
+    # Endpoint names (dispatcher/endpoints.py) this provider serves; unset = its type's default.
+    endpoints: list[str] | None = None
 
     @property
     def effective_category(self) -> str:
         return self.category or DEFAULT_CATEGORY.get(self.type, "api")
 
+    @property
+    def served_endpoints(self) -> tuple[str, ...]:
+        if self.endpoints is not None:
+            return tuple(self.endpoints)
+        return DEFAULT_ENDPOINTS.get(self.type, ())
+
 
 class NodeConfig(_Base, frozen=True):
     id: str
     providers: list[ProviderConfig] = []
+
+
+class ResponsesConfig(_Base, frozen=True):
+    """Where stored Responses live: iop remembers which provider made each response id."""
+
+    # How long an id is remembered (a provider that forgets sooner answers 404 itself).
+    id_ttl_s: int = 7 * 24 * 3600
+    # At most this many ids are remembered; the oldest are forgotten first.
+    max_ids: int = 100_000
 
 
 class FakeProviderConfig(_Base, frozen=True):
@@ -145,6 +194,7 @@ class Config(_Base, frozen=True):
     api: ApiConfig = ApiConfig()
     queue: QueueConfig = QueueConfig()
     dispatch: DispatchConfig = DispatchConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     demo: DemoConfig = DemoConfig()
 
     def model(self, model_id: str) -> ModelConfig | None:

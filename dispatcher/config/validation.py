@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from fnmatch import fnmatchcase
 from urllib.parse import urlsplit
 
 from dispatcher.config.schema import (
@@ -19,6 +20,7 @@ from dispatcher.config.schema import (
     RedisConfig,
     host_port,
 )
+from dispatcher.endpoints import DEFAULT_ENDPOINTS, ENDPOINTS
 from dispatcher.exceptions import ConfigProblem
 
 
@@ -80,6 +82,10 @@ def validate(config: Config) -> list[ConfigProblem]:
     if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:
         bad("$.dispatch.heartbeat_interval_ms",
             f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
+    problems.extend(_tenant_problems(config))
+    for name in ("id_ttl_s", "max_ids"):
+        if getattr(config.responses, name) <= 0:
+            bad(f"$.responses.{name}", f"must be > 0, got {getattr(config.responses, name)}")
     if d.drain_grace_s < 0:
         bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
     if min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0 and 2 * d.reap_interval_ms >= d.observation_gap_ms:
@@ -116,6 +122,42 @@ def _redis_problems(redis: RedisConfig) -> Iterator[ConfigProblem]:
             yield ConfigProblem(f"$.redis.sentinel.{name}", "must be the name of an environment variable")
 
 
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
+    api = config.api
+    for path, name in _duplicates((f"$.api.priorities[{i}]", b) for i, b in enumerate(api.priorities)):
+        yield ConfigProblem(path, f"duplicate priority band {name!r}")
+    if api.priorities and api.default_priority not in api.priorities:
+        yield ConfigProblem("$.api.default_priority",
+                            f"{api.default_priority!r} is not one of api.priorities {api.priorities}")
+    for path, name in _duplicates((f"$.api.keys[{i}].name", k.name) for i, k in enumerate(api.keys)):
+        yield ConfigProblem(path, f"duplicate key name {name!r}")
+    for ki, key in enumerate(api.keys):
+        path = f"$.api.keys[{ki}]"
+        if not _TENANT_NAME.fullmatch(key.name):
+            yield ConfigProblem(f"{path}.name", f"{key.name!r}: use letters, digits, '.', '_' and '-'")
+        if (key.key_env is None) == (key.key_sha256 is None):
+            yield ConfigProblem(path, "give exactly one of key_env (an env var holding the key) and key_sha256")
+        if key.key_env is not None and not _ENV_NAME.fullmatch(key.key_env):
+            yield ConfigProblem(f"{path}.key_env", "must name an environment variable, not hold the key")
+        if key.key_sha256 is not None and not _SHA256.fullmatch(key.key_sha256):
+            yield ConfigProblem(f"{path}.key_sha256", "must be 64 hex digits (sha256 of the key)")
+        if key.priority is not None and key.priority not in api.priorities:
+            yield ConfigProblem(f"{path}.priority", f"{key.priority!r} is not one of api.priorities {api.priorities}")
+        if key.weight <= 0:
+            yield ConfigProblem(f"{path}.weight", f"must be > 0, got {key.weight}")
+        for name in ("max_queued", "max_in_flight"):
+            value = getattr(key, name)
+            if value is not None and value < 1:
+                yield ConfigProblem(f"{path}.{name}", f"must be >= 1, got {value}")
+        for mi, pattern in enumerate(key.models or ()):
+            if not any(fnmatchcase(m.id, pattern) for m in config.models):
+                yield ConfigProblem(f"{path}.models[{mi}]", f"{pattern!r} matches no model id")
+
+
 def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProblem]:
     if not prov.id:
         yield ConfigProblem(f"{path}.id", "must not be empty")
@@ -131,6 +173,13 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         )
     if prov.timeout_s <= 0:
         yield ConfigProblem(f"{path}.timeout_s", f"must be > 0, got {prov.timeout_s}")
+    for ei, name in enumerate(prov.endpoints or ()):
+        if name not in ENDPOINTS:
+            yield ConfigProblem(f"{path}.endpoints[{ei}]",
+                                f"unknown endpoint {name!r}; expected some of {list(ENDPOINTS)}")
+        elif prov.type == "cli" and name not in DEFAULT_ENDPOINTS["cli"]:
+            yield ConfigProblem(f"{path}.endpoints[{ei}]",
+                                f"a cli provider serves only {list(DEFAULT_ENDPOINTS['cli'])}")
     if prov.type in HTTP_TYPES and not prov.base_url:
         yield ConfigProblem(f"{path}.base_url", f"required for type {prov.type!r}")
     if prov.base_url and not prov.base_url.startswith(("http://", "https://")):

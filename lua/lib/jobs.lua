@@ -10,6 +10,16 @@
 -- Time comes from the server (TIME), never from a client clock.
 
 local JOBS, BODIES, LEASES, DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- With flow control, the tenants hash (set by the script, or by lib/pump.lua from its plan):
+-- q:<tenant> and q:<tenant>:<model> count waiting jobs, r:... running ones.
+local TENANTS = nil
+
+-- Move a flow-controlled job's tenant counters: kind 'q' (waiting) or 'r' (running).
+local function count(rec, kind, d)
+  if TENANTS == nil or rec.tn == nil then return end
+  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tn, d)
+  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tn .. ':' .. rec.m, d)
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -41,10 +51,11 @@ end
 
 -- Give a slot back. Only a live lease gives one back, so a second release is a no-op
 -- and in_flight never goes below zero.
-local function release_slot(job, pkey)
+local function release_slot(job, pkey, rec)
   if redis.call('ZREM', LEASES, job) == 1 then
     local inf = tonumber(redis.call('HGET', pkey, 'in_flight') or '0') or 0
     if inf > 0 then redis.call('HINCRBY', pkey, 'in_flight', -1) end
+    count(rec, 'r', -1)
     return true
   end
   return false
@@ -66,8 +77,9 @@ local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts,
     rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
     rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
     put_record(job, rec)
-    -- The seq keeps it ahead of everything submitted after it.
-    redis.call('ZADD', queue_key, rec.seq, job)
+    -- Its score (the seq, or its fair-queuing tag) keeps it ahead of everything after it.
+    redis.call('ZADD', queue_key, string.format('%.17g', rec.sc or rec.seq), job)
+    count(rec, 'q', 1)
     redis.call('ZADD', DEADLINES, rec.d, job)
     redis.call('XADD', reply_key, '*', 'j', job, 'e', requeued_event)
     redis.call('PEXPIRE', reply_key, reply_ttl_ms)

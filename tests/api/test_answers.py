@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.answers import DONE_FRAME, _broken, sse_frames
+from api.answers import DONE_FRAME, Framing, StreamBroken, _broken, sse_frames
+from dispatcher.endpoints import ENDPOINTS
 from dispatcher.events import Chunks, End, Meta, Start
 from dispatcher.exceptions import WorkerLost
 from workers.adapters.sse import SSEParser
@@ -55,3 +57,48 @@ def test_a_second_run_or_a_gap_is_never_spliced_into_a_stream() -> None:
     # Only a failover that lost writes does these: a new run starts, or a batch is missing.
     assert isinstance(_broken(Start(meta, 200, [b"{}"]), first, 2), WorkerLost)
     assert isinstance(_broken(Chunks([b"{}"], 3), first, 1), WorkerLost)
+
+
+# --- the other stream kinds (dispatcher/endpoints.py) -------------------------------------------------
+
+
+def test_typed_events_keep_their_names_and_carry_the_callers_model() -> None:
+    framing = Framing(ENDPOINTS["responses"], "alias")
+    created = b'response.created\n{"type":"response.created","response":{"id":"r1","model":"served"}}'
+    delta = b'response.output_text.delta\n{"type":"response.output_text.delta","delta":"hi"}'
+    wire = framing.chunks([created, delta])
+    parser = SSEParser(typed=True)
+    got = parser.feed(wire)
+    assert [g.partition(b"\n")[0] for g in got] == [b"response.created", b"response.output_text.delta"]
+    assert msgspec.json.decode(got[0].partition(b"\n")[2])["response"]["model"] == "alias"
+    assert got[1].partition(b"\n")[2] == delta.partition(b"\n")[2]
+    # A typed stream ends with its own last event: [DONE] only when the provider sent one.
+    assert framing.end(End(done=False)) == b""
+    assert framing.end(End(done=True)) == DONE_FRAME
+
+
+def test_an_event_without_a_name_is_written_without_one() -> None:
+    framing = Framing(ENDPOINTS["audio/transcriptions"], "alias")
+    assert framing.chunks([b'\n{"type":"transcript.text.delta","delta":"a"}']) == (
+        b'data: {"type":"transcript.text.delta","delta":"a"}\n\n')
+
+
+def test_errors_in_a_stream_take_the_endpoints_shape() -> None:
+    exc = WorkerLost("lost")
+    chat = Framing(ENDPOINTS["chat/completions"], "m").error(exc)
+    assert chat.startswith(b"data: ")
+    assert msgspec.json.decode(chat[6:])["error"]["code"] == "worker_lost"
+    messages = Framing(ENDPOINTS["messages"], "m").error(exc)
+    assert messages.startswith(b"event: error\ndata: ")
+    assert msgspec.json.decode(messages.split(b"data: ", 1)[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "lost"}}
+    responses = Framing(ENDPOINTS["responses"], "m").error(exc)
+    assert msgspec.json.decode(responses.split(b"data: ", 1)[1])["type"] == "error"
+
+
+def test_binary_streams_pass_bytes_as_they_are_and_are_cut_on_error() -> None:
+    framing = Framing(ENDPOINTS["audio/speech"], "m")
+    assert framing.chunks([b"RIFF\x00", b"\x01\x02"]) == b"RIFF\x00\x01\x02"
+    assert framing.end(End(done=False)) == b""
+    with pytest.raises(StreamBroken):
+        framing.error(WorkerLost("lost"))

@@ -55,7 +55,8 @@ async def test_metrics_parse_and_count_requests(client: AsyncTestClient[Any], re
     values = samples(resp.text)
 
     def count(model: str, status: str) -> float:
-        return values[("iop_requests_total", (("model", model), ("provider", ""), ("status", status)))]
+        return values[("iop_requests_total",
+                       (("model", model), ("provider", ""), ("status", status), ("tenant", "default")))]
 
     # A model id outside the config is never a label value of its own.
     assert count("_unknown", "404") == 1
@@ -69,6 +70,41 @@ async def test_metrics_parse_and_count_requests(client: AsyncTestClient[Any], re
     health = {labels: v for (name, labels), v in values.items() if name == "iop_provider_health"}
     assert health[(("category", "local_inference"), ("health", "unknown"), ("node", "n"), ("provider", "p"),
                    ("type", "vllm"))] == 1
+    # No flow control (one tenant, one band, no limits): no tenant gauges.
+    assert not {n for n in names if n.startswith("iop_tenant_")}
+
+
+async def test_tenants_in_the_catalog_and_metrics(
+    redis_server: RedisServer, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_TEST_WEB", "web-key")
+    monkeypatch.setenv("IOP_TEST_EVAL", "eval-key")
+    config = make_config(redis_server.url, api={
+        "priorities": ["interactive", "batch"], "default_priority": "batch",
+        "keys": [{"name": "web", "key_env": "IOP_TEST_WEB", "priority": "interactive", "weight": 4,
+                  "models": ["m"], "max_in_flight": 2},
+                 {"name": "eval", "key_env": "IOP_TEST_EVAL", "max_queued": 10}]})
+    auth = {"authorization": "Bearer web-key"}
+    async with AsyncTestClient(create_app(config)) as c:
+        # What the dispatch scripts count (lua/lib/jobs.lua), and a counter of a tenant no longer configured.
+        await redis.hset(keys.TENANTS, mapping={"q:web": 3, "q:web:m": 3, "r:web": 1, "r:web:m": 1,
+                                                "q:eval": 2, "q:eval:org/model:tag": 2, "q:old": 9, "q:old:m": 9})
+        doc = (await c.get("/catalog", headers=auth)).json()
+        assert doc["tenants"] == [
+            {"name": "web", "band": "interactive", "weight": 4.0, "models": ["m"], "max_queued": None,
+             "max_in_flight": 2, "queued": 3, "in_flight": 1},
+            {"name": "eval", "band": "batch", "weight": 1.0, "models": None, "max_queued": 10,
+             "max_in_flight": None, "queued": 2, "in_flight": 0}]
+        assert {m["id"]: m["tenants"] for m in doc["models"]} == {
+            "m": [{"tenant": "web", "queued": 3, "in_flight": 1}],
+            "org/model:tag": [{"tenant": "eval", "queued": 2, "in_flight": 0}]}
+        values = samples((await c.get("/metrics", headers=auth)).text)
+    queued = {dict(labels)["tenant"] + " " + dict(labels)["model"]: v
+              for (name, labels), v in values.items() if name == "iop_tenant_queued"}
+    # Configured tenants only, each for the model groups it may call.
+    assert queued == {"web m": 3, "eval m": 0, "eval org/model:tag": 2}
+    in_flight = {dict(labels)["tenant"]: v for (name, labels), v in values.items() if name == "iop_tenant_in_flight"}
+    assert in_flight == {"web": 1, "eval": 0}
 
 
 async def test_ui_page_is_served(client: AsyncTestClient[Any]) -> None:

@@ -4,15 +4,19 @@ health rule as the dispatcher."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
+import msgspec
 import pytest
 from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
+from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from dispatcher.lifecycle import LifecycleFlags
+from tests.dispatcher.test_flow_control import FairHarness
 from tests.dispatcher.test_scripts import Harness
 
 pytestmark = pytest.mark.anyio
@@ -29,6 +33,7 @@ def catalog_config() -> cfg.Config:
                                                                  "ghost": "qwen-ghost"}},
             {"id": "tiny", "providers": {"up": "tiny-up", "tool": "tiny-tool", "zero": "tiny-zero"}},
             {"id": "cloud", "providers": {"stale": "cloud-stale"}},
+            {"id": "local", "providers": {"llama": "gguf", "picky": "picky-m"}},
         ],
         "nodes": [
             {"id": "n1", "providers": [
@@ -40,6 +45,10 @@ def catalog_config() -> cfg.Config:
                 http("ghost", "lemonade", 2, ["qwen-ghost"]),
                 http("zero", "sglang", 0, ["tiny-zero"]),
                 http("stale", "openai_api", 8, ["cloud-stale"]),
+            ]},
+            {"id": "n3", "providers": [
+                http("llama", "llamacpp", 4, ["gguf"]),
+                http("picky", "vllm", 2, ["picky-m"], endpoints=["chat/completions", "rerank"]),
             ]},
         ],
     }).config
@@ -53,12 +62,16 @@ async def h(redis: Redis) -> Harness:
 
 
 async def beat(h: Harness, pid: str, health: str = "available", reason: str = "",
-               reported: list[str] | None = None, loaded: list[str] | None = None) -> None:
+               reported: list[str] | None = None, loaded: list[str] | None = None,
+               slots: int | None = None, endpoints: list[str] | None = None) -> None:
+    """A heartbeat with the fields a worker writes (workers/worker.py ``_heartbeat``)."""
     prov = next(p for _, p in h.config.providers() if p.id == pid)
     fields: list[tuple[str, str | int]] = [
         ("capacity", prov.capacity), ("reason", reason),
         ("reported_models", json.dumps(reported) if reported is not None else ""),
         ("loaded_models", json.dumps(loaded) if loaded is not None else ""),
+        ("endpoints", json.dumps(endpoints if endpoints is not None else prov.served_endpoints)),
+        ("slots", slots if slots is not None else ""),
     ]
     await h.node.heartbeat(pid, health, fields)
 
@@ -85,6 +98,8 @@ async def test_available_provider_has_every_field(h: Harness) -> None:
     assert up.heartbeat_age_ms is not None
     assert 0 <= up.heartbeat_age_ms < 10_000
     assert up.model_groups == ["qwen", "tiny"]
+    assert up.endpoints == list(DEFAULT_ENDPOINTS["vllm"])
+    assert up.slots is None
 
 
 async def test_unavailable_provider_carries_its_probe_reason(h: Harness) -> None:
@@ -161,7 +176,8 @@ async def test_model_groups_list_their_candidates(h: Harness) -> None:
         ("ghost", "qwen-ghost", "n2", "unknown")]
     assert qwen.available_slots == 4
     assert [(n.id, n.providers) for n in doc.nodes] == [("n1", ["up", "sick", "tool"]),
-                                                         ("n2", ["ghost", "zero", "stale"])]
+                                                         ("n2", ["ghost", "zero", "stale"]),
+                                                         ("n3", ["llama", "picky"])]
 
 
 @pytest.mark.parametrize(
@@ -186,3 +202,196 @@ async def test_catalog_and_dispatcher_agree_on_availability(h: Harness, state: d
     _, providers = await read(h)
     _, status = await h.submit("cloud")
     assert (providers["stale"].health == "available") == (status == "dispatched")
+
+
+# --- endpoints and the slots hint ------------------------------------------------------------
+
+
+async def test_slots_hint_is_shown_beside_the_capacity(h: Harness) -> None:
+    await beat(h, "llama", slots=8)
+    doc, providers = await read(h)
+    llama = providers["llama"]
+    assert (llama.type, llama.category) == ("llamacpp", "local_inference")
+    assert (llama.capacity, llama.slots) == (4, 8)
+    assert llama.endpoints == list(DEFAULT_ENDPOINTS["llamacpp"])
+    # A hint only: the free slots of its group follow the capacity.
+    local = next(m for m in doc.models if m.id == "local")
+    assert local.available_slots == 4
+    # The JSON /catalog serves carries both fields.
+    wire = json.loads(msgspec.json.encode(doc))
+    entry = next(p for p in wire["providers"] if p["id"] == "llama")
+    assert (entry["slots"], entry["capacity"]) == (8, 4)
+    assert entry["endpoints"] == list(DEFAULT_ENDPOINTS["llamacpp"])
+
+
+async def test_slots_unknown_is_none(h: Harness) -> None:
+    await beat(h, "llama")  # the runtime did not say: the worker writes ""
+    _, providers = await read(h)
+    assert providers["llama"].slots is None
+    for raw in ("0", "-3", "many"):
+        await h.redis.hset(keys.provider("llama"), "slots", raw)
+        _, providers = await read(h)
+        assert providers["llama"].slots is None, raw
+
+
+async def test_slots_follow_the_latest_heartbeat(h: Harness) -> None:
+    await beat(h, "llama", slots=8)
+    await beat(h, "llama", slots=2)
+    _, providers = await read(h)
+    assert providers["llama"].slots == 2
+    await beat(h, "llama", "unavailable", "loading model")
+    _, providers = await read(h)
+    assert (providers["llama"].health, providers["llama"].reason, providers["llama"].slots) == (
+        "unavailable", "loading model", None)
+
+
+async def test_endpoints_come_from_the_heartbeat(h: Harness) -> None:
+    # The worker's word wins (its config may be newer than this API's).
+    await beat(h, "up", endpoints=["chat/completions", "embeddings"])
+    _, providers = await read(h)
+    assert providers["up"].endpoints == ["chat/completions", "embeddings"]
+    await beat(h, "up", endpoints=[])
+    _, providers = await read(h)
+    assert providers["up"].endpoints == []
+
+
+async def test_endpoints_fall_back_to_the_config(h: Harness) -> None:
+    # Never seen: nothing in Redis, so the config's (explicit list, or the type's default).
+    _, providers = await read(h)
+    assert providers["picky"].endpoints == ["chat/completions", "rerank"]
+    assert providers["ghost"].endpoints == list(DEFAULT_ENDPOINTS["lemonade"])
+    assert providers["tool"].endpoints == list(DEFAULT_ENDPOINTS["cli"])
+    # A heartbeat of a worker that predates the field: no 'endpoints' in the hash.
+    await beat(h, "picky")
+    await h.redis.hdel(keys.provider("picky"), "endpoints", "slots")
+    _, providers = await read(h)
+    assert providers["picky"].health == "available"
+    assert providers["picky"].endpoints == ["chat/completions", "rerank"]
+    assert providers["picky"].slots is None
+
+
+async def test_every_provider_has_endpoints_and_slots(h: Harness) -> None:
+    for pid in ("up", "sick", "tool", "stale", "llama", "picky"):
+        await beat(h, pid)
+    _, providers = await read(h)
+    for pid, view in providers.items():
+        prov = next(p for _, p in h.config.providers() if p.id == pid)
+        assert view.endpoints == list(prov.served_endpoints), pid
+        assert view.slots is None, pid
+
+
+# --- tenants (flow control) ------------------------------------------------------------------
+
+
+def tenants_config(api: dict[str, Any] | None = None) -> cfg.Config:
+    """Two model groups on one provider each (one slot), and three tenants in three bands."""
+    return cfg.parse({
+        "queue": {"max_queue": 1000},
+        "api": api if api is not None else {
+            "priorities": ["interactive", "standard", "batch"],
+            "keys": [
+                {"name": "web", "key_sha256": "1" * 64, "priority": "interactive", "weight": 3, "max_in_flight": 2},
+                {"name": "eval", "key_sha256": "2" * 64, "priority": "batch", "max_queued": 50, "models": ["big*"]},
+                {"name": "ops", "key_sha256": "3" * 64},
+            ],
+        },
+        "nodes": [{"id": "n1", "providers": [
+            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"{p}-m"]}
+            for p in ("pa", "pb")]}],
+        "models": [{"id": "big", "providers": {"pa": "pa-m"}}, {"id": "small", "providers": {"pb": "pb-m"}}],
+    }).config
+
+
+async def tenant_harness(redis: Redis, config: cfg.Config) -> FairHarness:
+    h = FairHarness(redis, config)
+    await h.start()
+    return h
+
+
+async def send(h: FairHarness, tenant: str, model: str) -> str:
+    """Submit one job of ``tenant`` to ``model`` in the tenant's band; its id."""
+    t = h.tenants.by_name[tenant]
+    plans = h.calls.plans
+    lane = plans.banded(plans.main_lane(model), t.band)
+    job = t.job_id(uuid.uuid4().hex[:12])
+    await h.api.submit(job, lane, b'{"model":"%s"}' % model.encode(), "chat/completions", False, tenant=t)
+    return job
+
+
+def uses(doc: Catalog, model: str) -> list[tuple[str, int, int]]:
+    return [(u.tenant, u.queued, u.in_flight) for u in next(m for m in doc.models if m.id == model).tenants]
+
+
+async def test_tenants_queued_and_in_flight_per_model_group(redis: Redis) -> None:
+    h = await tenant_harness(redis, tenants_config())
+    first = await send(h, "eval", "big")  # dispatched: big's one slot
+    for _ in range(3):
+        await send(h, "eval", "big")
+    await send(h, "web", "big")
+    await send(h, "ops", "small")  # dispatched: small's one slot
+    await send(h, "web", "small")
+    doc = await read_catalog(h.redis, h.config)
+    # The jobs of a model group wait in a lane per band: its queued is all of them.
+    big = next(m for m in doc.models if m.id == "big")
+    assert big.queued == 4
+    assert big.oldest_wait_ms is not None
+    assert uses(doc, "big") == [("web", 1, 0), ("eval", 3, 1)]
+    assert uses(doc, "small") == [("web", 1, 0), ("ops", 0, 1)]
+    views = {t.name: t for t in doc.tenants}
+    assert list(views) == ["web", "eval", "ops"]  # config order; no 'default': nobody can be it
+    web, ev, ops = views["web"], views["eval"], views["ops"]
+    assert (web.band, web.weight, web.models, web.max_queued, web.max_in_flight) == ("interactive", 3.0, None,
+                                                                                     None, 2)
+    assert (ev.band, ev.weight, ev.models, ev.max_queued, ev.max_in_flight) == ("batch", 1.0, ["big"], 50, None)
+    assert ops.band == "standard"
+    assert [(t.queued, t.in_flight) for t in (web, ev, ops)] == [(2, 0), (3, 1), (0, 1)]
+    # The freed slot goes to the interactive band: the counters follow.
+    await h.node.finish(await h.assignment(first), b"", mode="done")
+    doc = await read_catalog(h.redis, h.config)
+    assert uses(doc, "big") == [("web", 0, 1), ("eval", 3, 0)]
+    assert [(t.name, t.queued, t.in_flight) for t in doc.tenants] == [("web", 1, 1), ("eval", 3, 0), ("ops", 0, 1)]
+    # The JSON /catalog serves.
+    wire = json.loads(msgspec.json.encode(doc))
+    assert wire["tenants"][1] == {"name": "eval", "band": "batch", "weight": 1.0, "models": ["big"],
+                                  "max_queued": 50, "max_in_flight": None, "queued": 3, "in_flight": 0}
+    assert next(m for m in wire["models"] if m["id"] == "small")["tenants"] == [
+        {"tenant": "web", "queued": 1, "in_flight": 0}, {"tenant": "ops", "queued": 0, "in_flight": 1}]
+
+
+async def test_tenant_counters_of_names_outside_the_config_are_not_read(redis: Redis) -> None:
+    h = await tenant_harness(redis, tenants_config())
+    await redis.hset(keys.TENANTS, mapping={"q:gone": 5, "q:gone:big": 5, "r:web": -1, "r:web:big": -1,
+                                            "q:ops": 2, "q:ops:small": 2})
+    doc = await read_catalog(h.redis, h.config)
+    assert [t.name for t in doc.tenants] == ["web", "eval", "ops"]
+    assert [(t.queued, t.in_flight) for t in doc.tenants] == [(0, 0), (0, 0), (2, 0)]
+    assert uses(doc, "big") == []
+    assert uses(doc, "small") == [("ops", 2, 0)]
+    # 'default' is no configured tenant here: shown only while it has jobs (a tenant header naming it).
+    await redis.hset(keys.TENANTS, mapping={"r:default": 1, "r:default:big": 1})
+    doc = await read_catalog(h.redis, h.config)
+    assert [t.name for t in doc.tenants] == ["web", "eval", "ops", "default"]
+    assert uses(doc, "big") == [("default", 0, 1)]
+
+
+async def test_default_tenant_is_listed_beside_named_keys(redis: Redis) -> None:
+    config = tenants_config({"api_keys_env": "IOP_TEST_KEYS", "keys": [{"name": "web", "key_sha256": "1" * 64}]})
+    h = await tenant_harness(redis, config)
+    await send(h, "default", "big")
+    await send(h, "default", "big")
+    doc = await read_catalog(h.redis, h.config)
+    assert [(t.name, t.band, t.queued, t.in_flight) for t in doc.tenants] == [
+        ("web", "standard", 0, 0), ("default", "standard", 1, 1)]
+    assert uses(doc, "big") == [("default", 1, 1)]
+
+
+async def test_without_flow_control_there_are_no_tenants(h: Harness) -> None:
+    await beat(h, "up")
+    await h.redis.hset(keys.provider("up"), "capacity", 1)
+    await h.submit("qwen")
+    await h.submit("qwen")
+    doc, _ = await read(h)
+    assert doc.tenants == []
+    assert all(m.tenants == [] for m in doc.models)
+    assert next(m for m in doc.models if m.id == "qwen").queued == 1
+    assert json.loads(msgspec.json.encode(doc))["tenants"] == []

@@ -301,17 +301,22 @@ class Scenario:
         # cancel of a waiting job: timeout before its deadline waits, the client's removes.
         queued_m2, status = await self.submit("m2")
         assert status == "queued"
-        assert self.note("cancel wait", (await api.cancel(queued_m2, "m2", CancelReason.TIMEOUT)).outcome) == "wait"
-        assert self.note("cancel queued", (await api.cancel(queued_m2, "m2", CancelReason.CLIENT)).outcome) == "removed"
-        assert self.note("cancel gone", (await api.cancel(queued_m2, "m2", CancelReason.CLIENT)).outcome) == "gone"
+        cancelled = await api.cancel(queued_m2, keys.queue("m2"), CancelReason.TIMEOUT)
+        assert self.note("cancel wait", cancelled.outcome) == "wait"
+        cancelled = await api.cancel(queued_m2, keys.queue("m2"), CancelReason.CLIENT)
+        assert self.note("cancel queued", cancelled.outcome) == "removed"
+        cancelled = await api.cancel(queued_m2, keys.queue("m2"), CancelReason.CLIENT)
+        assert self.note("cancel gone", cancelled.outcome) == "gone"
 
         # cancel of a running job: a timeout keeps it, the client's tells its node; then it
         # finishes and the slot goes to a waiting m2 job.
         waiting_m2, status = await self.submit("m2")
         assert status == "queued"
         on_c = by_provider["c"][0]
-        assert self.note("cancel running", (await api.cancel(on_c, "m1", CancelReason.TIMEOUT)).outcome) == "running"
-        assert self.note("cancel client", (await api.cancel(on_c, "m1", CancelReason.CLIENT)).outcome) == "cancelling"
+        cancelled = await api.cancel(on_c, keys.queue("m1"), CancelReason.TIMEOUT)
+        assert self.note("cancel running", cancelled.outcome) == "running"
+        cancelled = await api.cancel(on_c, keys.queue("m1"), CancelReason.CLIENT)
+        assert self.note("cancel client", cancelled.outcome) == "cancelling"
         assert self.note("renew cancelled", await self.n2.renew([(on_c, run[on_c].fence)])) == [
             Abort(on_c, run[on_c].fence, AbortReason.CANCELLED)]
         assert await self.finish(on_c) == "released"
@@ -323,7 +328,8 @@ class Scenario:
         await anyio.sleep(0.12)
         assert await self.finish(on_a) == "released"  # pumps m1 and m3: m3's head expired
         assert (await h.record(late)).state == "x"
-        assert self.note("cancel expired", (await api.cancel(late, "m3", CancelReason.TIMEOUT)).outcome) == "expired"
+        cancelled = await api.cancel(late, keys.queue("m3"), CancelReason.TIMEOUT)
+        assert self.note("cancel expired", cancelled.outcome) == "expired"
 
         # reap_lease: a lease without output is requeued (and dispatched again) ...
         run = await self.running()
@@ -341,7 +347,29 @@ class Scenario:
         # finish with requeue: a worker gives a job back unfinished.
         run = await self.running()
         givenup = next(iter(run))
-        assert await self.finish(givenup, requeue=True) == "requeued"
+        assert await self.finish(givenup, mode="requeue") == "requeued"
+
+        # finish with retry: m1's provider failed a job before any output; it waits for
+        # another provider of its lane (m1 has three).
+        for job, a in (await self.running()).items():
+            if a.model == "m1":
+                await self.finish(job)
+        failed, status = await self.submit("m1")
+        assert status == "dispatched"
+        tried = (await self.running())[failed].provider
+        assert await self.finish(failed, mode="retry") == "requeued"
+        assert (await self.running())[failed].provider != tried
+
+        # remember_response, then a job pinned to that provider (the lane of one).
+        made = next(iter((await self.running()).values()))
+        await self.slots_of(made).remember_response("resp_1", made)
+        stored = await api.stored_response("resp_1")
+        assert stored is not None
+        assert stored.provider == made.provider
+        lane = h.calls.plans.pinned_lane(made.model, made.provider)
+        assert lane is not None
+        pinned = await api.submit("pinned-job", lane, b'{"model":"x"}', "responses", False, pinned=True)
+        self.note("submit pinned", pinned.status)
 
         # reconcile: an in_flight out of step with the leases is corrected.
         await h.set_in_flight("a", 1 - await h.in_flight("a"))

@@ -112,7 +112,7 @@ async def test_attempts_are_bounded(h: Harness) -> None:
 async def test_lost_cancelled_job_is_dropped_silently(h: Harness) -> None:
     await h.up("a")
     job, _ = await h.submit("m")
-    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "cancelling"
+    assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "cancelling"
     await expire_lease(h, job)
     reaper = reaper_of(h)
     assert await reap(reaper) == {"dropped": 1}

@@ -96,7 +96,8 @@ async def use_both_clients(gw: Gateway, value: str = "v") -> None:
 async def submit(gw: Gateway) -> str:
     model = gw.config.model("m")
     assert model is not None
-    result = await gw.jobs.submit(gw.next_job_id(), model, b'{"model":"m"}', "chat/completions", False)
+    lane = gw.plans.main_lane(model.id)
+    result = await gw.jobs.submit(gw.next_job_id(), lane, b'{"model":"m"}', "chat/completions", False)
     return result.status
 
 

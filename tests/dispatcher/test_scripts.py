@@ -65,7 +65,8 @@ class Harness:
         job = job or uuid.uuid4().hex
         m = self.config.model(model)
         assert m is not None
-        result = await self.api.submit(job, m, b'{"model":"%s"}' % model.encode(), "chat/completions", False)
+        lane = self.calls.plans.main_lane(m.id)
+        result = await self.api.submit(job, lane, b'{"model":"%s"}' % model.encode(), "chat/completions", False)
         return job, result.status
 
     async def assignments(self) -> list[Assignment]:
@@ -231,7 +232,7 @@ async def test_expired_head_is_dropped_not_dispatched(harness: Any) -> None:
     # The freed slot skipped the expired job and went to the next one.
     assert [a.job for a in await h.assignments()] == [fresh]
     assert (await h.record(late)).state == "x"
-    cancelled = await h.api.cancel(late, "m", CancelReason.TIMEOUT)
+    cancelled = await h.api.cancel(late, keys.queue("m"), CancelReason.TIMEOUT)
     assert cancelled.outcome == "expired"
     assert await h.record(late) is None
 
@@ -239,7 +240,7 @@ async def test_expired_head_is_dropped_not_dispatched(harness: Any) -> None:
 async def test_timeout_before_the_deadline_says_wait(harness: Any) -> None:
     h = harness(make_config({"a": 1}, {"m": ["a"]}, queue_timeout_ms=60_000))
     job, _ = await h.submit("m")
-    result = await h.api.cancel(job, "m", CancelReason.TIMEOUT)
+    result = await h.api.cancel(job, keys.queue("m"), CancelReason.TIMEOUT)
     assert result.outcome == "wait"
     assert 0 < result.wait_ms <= 60_000
     assert await h.queued("m") == [job]
@@ -250,7 +251,7 @@ async def test_timeout_of_a_dispatched_job_keeps_it_running(harness: Any) -> Non
     await h.up("a")
     job, _ = await h.submit("m")
     await anyio.sleep(0.01)
-    assert (await h.api.cancel(job, "m", CancelReason.TIMEOUT)).outcome == "running"
+    assert (await h.api.cancel(job, keys.queue("m"), CancelReason.TIMEOUT)).outcome == "running"
     assert await h.in_flight("a") == 1
 
 
@@ -309,11 +310,11 @@ async def test_duplicate_job_id_is_refused(harness: Any) -> None:
 async def test_cancel_of_a_waiting_job_removes_it(harness: Any) -> None:
     h = harness(make_config({"a": 1}, {"m": ["a"]}))
     job, _ = await h.submit("m")
-    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "removed"
+    assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "removed"
     assert await h.queued("m") == []
     assert await h.record(job) is None
     assert await h.redis.scard(keys.replica_jobs("rep1")) == 0
-    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "gone"
+    assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "gone"
 
 
 async def test_cancel_of_a_running_job_tells_its_node(harness: Any) -> None:
@@ -323,7 +324,7 @@ async def test_cancel_of_a_running_job_tells_its_node(harness: Any) -> None:
     pubsub = h.redis.pubsub()
     await pubsub.subscribe(keys.cancel_channel("n1"))
     await pubsub.get_message(timeout=1)  # subscribe confirmation
-    assert (await h.api.cancel(job, "m", CancelReason.CLIENT)).outcome == "cancelling"
+    assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "cancelling"
     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
     assert msg is not None
     assert msg["data"] == job.encode()

@@ -303,3 +303,15 @@ class Planned:
 def http_provider(pid: str, ptype: str, port: int, capacity: int, models: list[str], **extra: Any) -> dict[str, Any]:
     return {"id": pid, "type": ptype, "base_url": f"http://127.0.0.1:{port}", "capacity": capacity,
             "models": models, **extra}
+
+
+def api_with_config(system: System, name: str, config: dict[str, Any]) -> tuple[Proc, str]:
+    """Another API process on the system's Redis, with a config of its own (written next to the
+    system's: say, the system's config without some provider); its process and URL, once ready."""
+    path = system.dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = system.port(name)
+    proc = system._spawn(name, ["api", "--config", str(path), "--port", str(port), "--workers", "1"])
+    url = f"http://127.0.0.1:{port}"
+    wait_http(proc, f"{url}/readyz")
+    return proc, url

@@ -36,7 +36,7 @@ def ok_count(text: str) -> float:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "iop_requests_total" and sample.labels == {"model": "m", "provider": "p",
-                                                                         "status": "200"}:
+                                                                         "status": "200", "tenant": "default"}:
                 return sample.value
     return 0.0
 

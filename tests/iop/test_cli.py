@@ -1,4 +1,5 @@
-"""The ``iop`` command line: ``config check``, argument errors, ``worker``, ``fake-provider``.
+"""The ``iop`` command line: ``config check``, argument errors, ``worker``, ``fake-provider``,
+``catalog`` (its table, against a stand-in ``/catalog``).
 
 Most cases call :func:`iop.cli.main` in-process (capsys); the ones that are about the real
 console script (exit status of ``python -m iop``, a long-running server and its signals)
@@ -7,12 +8,16 @@ run it as a subprocess.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,6 +26,9 @@ import httpx
 import pytest
 import yaml
 
+from dispatcher.config import ProviderConfig
+from dispatcher.endpoints import DEFAULT_ENDPOINTS
+from iop.catalog_cli import SHORT_ENDPOINTS, WIDTH, render
 from iop.cli import DEMO_CONFIG, main
 from iop.redis_server import free_port
 from iop.up import _fake_models
@@ -310,3 +318,181 @@ def test_demo_config_pools_and_fakes() -> None:
         assert (host, parts.port) in fakes, f"{prov.id}: {prov.base_url} is served by no demo fake"
         # The fake on that port reports every name this provider serves.
         assert set(prov.models) <= set(_fake_models(config, host, parts.port))
+
+
+# --- iop catalog ----------------------------------------------------------------------------------
+
+
+def _catalog_provider(pid: str, ptype: str, capacity: int, in_flight: int = 0, **extra: Any) -> dict[str, Any]:
+    """One ``providers[]`` entry of ``GET /catalog`` (dispatcher/catalog.py ``ProviderView``)."""
+    endpoints = list(ProviderConfig(id=pid, type=ptype).served_endpoints)
+    return {
+        "id": pid, "node_id": "n", "type": ptype, "category": "local_inference", "health": "available",
+        "reason": "", "capacity": capacity, "in_flight": in_flight,
+        "load_ratio": round(in_flight / capacity, 4) if capacity else None, "models": ["m"],
+        "reported_models": ["m"], "missing_models": [], "loaded_models": None, "queued": 0,
+        "lifecycle_capabilities": {}, "heartbeat_age_ms": 100, "model_groups": ["g"],
+        "endpoints": endpoints, "slots": None, **extra,
+    }
+
+
+def _catalog_doc(*providers: dict[str, Any]) -> dict[str, Any]:
+    return {"server_time_ms": 0, "providers": list(providers),
+            "models": [{"id": "g", "display_name": "G", "queued": 0, "oldest_wait_ms": None, "available_slots": 1,
+                        "candidates": [{"provider": p["id"], "served_name": "m", "node_id": "n",
+                                        "health": p["health"], "capacity": p["capacity"],
+                                        "in_flight": p["in_flight"], "load_ratio": p["load_ratio"]}
+                                       for p in providers]}],
+            "nodes": [{"id": "n", "providers": [p["id"] for p in providers]}]}
+
+
+CATALOG_DOC = _catalog_doc(
+    _catalog_provider("llama-wide", "llamacpp", 4, 1, slots=8),
+    _catalog_provider("llama-same", "llamacpp", 2, 0, slots=2),
+    _catalog_provider("llama-loading", "llamacpp", 2, 0, health="unavailable", reason="loading model"),
+    _catalog_provider("vllm-a", "vllm", 4, 2),
+    _catalog_provider("picky", "vllm", 1, 0, endpoints=["chat/completions", "audio/speech", "images/generations"]),
+    _catalog_provider("mute", "vllm", 1, 0, endpoints=[]),
+)
+
+
+def _row(text: str, pid: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("  ") and line.split()[0] == pid)
+
+
+def _detail(text: str, pid: str) -> list[str]:
+    """The lines under a provider's row, up to the next row or node."""
+    lines = text.splitlines()
+    start = lines.index(_row(text, pid)) + 1
+    end = start
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    return lines[start:end]
+
+
+def test_catalog_table_shows_the_slots_hint_beside_the_capacity() -> None:
+    text = render(CATALOG_DOC, colour=False)
+    assert "░ 1/4 (slots 8) 0.25" in _row(text, "llama-wide")
+    # Known and the same as the capacity, or unknown: no hint.
+    assert "░ 0/2 0.00" in _row(text, "llama-same")
+    assert "slots" not in _row(text, "llama-same")
+    assert "slots" not in _row(text, "vllm-a")
+    assert "░ 2/4 0.50" in _row(text, "vllm-a")
+
+
+def test_catalog_table_lists_endpoints_under_each_provider() -> None:
+    text = render(CATALOG_DOC, colour=False)
+    assert max(len(line) for line in text.splitlines()) <= WIDTH == 120
+    assert _detail(text, "llama-wide") == [
+        "    endpoints: chat, completions, embeddings, messages, count_tokens, rerank, tokenize, detokenize"]
+    assert _detail(text, "picky") == ["    endpoints: chat, speech, images"]
+    assert _detail(text, "mute") == ["    endpoints: none"]
+    # The probe's reason first, then the endpoints.
+    assert _detail(text, "llama-loading")[0] == "    loading model"
+    assert _detail(text, "llama-loading")[1].startswith("    endpoints: chat, ")
+    # A long list wraps, indented under its label, and names every endpoint once.
+    vllm = _detail(text, "vllm-a")
+    assert len(vllm) == 2
+    assert vllm[1].startswith("      ")
+    listed = " ".join(vllm).removeprefix("    endpoints: ").replace(",", " ").split()
+    assert listed == [SHORT_ENDPOINTS.get(e, e) for e in DEFAULT_ENDPOINTS["vllm"]]
+    # The endpoint lines are dimmed, like the reasons, indentation left plain.
+    coloured = render(CATALOG_DOC, colour=True)
+    assert "    \033[2mendpoints: chat, speech, images\033[0m" in coloured.splitlines()
+
+
+def test_catalog_table_of_an_older_iop_without_the_fields() -> None:
+    old = _catalog_provider("old", "vllm", 4, 1)
+    del old["endpoints"], old["slots"]
+    text = render(_catalog_doc(old), colour=False)
+    assert "░ 1/4 0.25" in _row(text, "old")
+    assert _detail(text, "old") == []
+
+
+def _tenant(name: str, band: str, weight: float, queued: int, in_flight: int, max_queued: int | None = None,
+            max_in_flight: int | None = None) -> dict[str, Any]:
+    """One ``tenants[]`` entry of ``GET /catalog`` (dispatcher/catalog.py ``TenantView``)."""
+    return {"name": name, "band": band, "weight": weight, "models": None, "max_queued": max_queued,
+            "max_in_flight": max_in_flight, "queued": queued, "in_flight": in_flight}
+
+
+def test_catalog_table_of_tenants_below_the_providers() -> None:
+    doc = _catalog_doc(_catalog_provider("vllm-a", "vllm", 4, 3))
+    doc["tenants"] = [_tenant("web", "interactive", 3, 2, 1, max_in_flight=4),
+                      _tenant("eval-nightly", "batch", 0.5, 40, 2, max_queued=100, max_in_flight=2),
+                      _tenant("default", "standard", 1, 0, 0)]
+    doc["models"][0]["tenants"] = [{"tenant": "web", "queued": 2, "in_flight": 1},
+                                   {"tenant": "eval-nightly", "queued": 40, "in_flight": 2}]
+    lines = render(doc, colour=False).splitlines()
+    start = lines.index("tenants")
+    assert lines.index(_row("\n".join(lines), "vllm-a")) < start < lines.index("model groups")
+    assert [" ".join(line.split()) for line in lines[start + 1:start + 5]] == [
+        "TENANT BAND WEIGHT QUEUED IN FLIGHT LIMITS",
+        "web interactive 3 2 1 in flight <= 4",
+        "eval-nightly batch 0.5 40 2 queued <= 100, in flight <= 2",
+        "default standard 1 0 0 -",
+    ]
+    # Columns line up under their headers.
+    header = lines[start + 1]
+    for row in lines[start + 2:start + 5]:
+        for col in ("BAND", "WEIGHT", "QUEUED", "IN FLIGHT", "LIMITS"):
+            at = header.index(col)
+            assert row[at - 1] == " ", (col, row)
+            assert row[at] != " ", (col, row)
+    assert lines[start + 5] == ""
+    # Under its model group, each tenant with jobs there.
+    assert "    tenant web: queued 2, in flight 1" in lines
+    assert "    tenant eval-nightly: queued 40, in flight 2" in lines
+    coloured = render(doc, colour=True)
+    assert "\033[1mtenants\033[0m" in coloured
+
+
+def test_catalog_table_without_tenants_beyond_default() -> None:
+    doc = _catalog_doc(_catalog_provider("vllm-a", "vllm", 4, 3))
+    for tenants in ([], [_tenant("default", "standard", 1, 5, 1)]):
+        doc["tenants"] = tenants
+        assert "tenants" not in render(doc, colour=False).splitlines()
+    del doc["tenants"]  # an older iop's catalog
+    assert "tenants" not in render(doc, colour=False).splitlines()
+
+
+@pytest.fixture
+def catalog_server() -> Iterator[str]:
+    """A stand-in for a running iop's ``GET /catalog``."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(CATALOG_DOC).encode()
+            self.send_response(200 if self.path == "/catalog" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_catalog_command_prints_the_table(catalog_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main("catalog", "--url", catalog_server, "--no-colour") == 0
+    out = capsys.readouterr().out
+    assert "1/4 (slots 8)" in _row(out, "llama-wide")
+    assert "    endpoints: chat, speech, images" in out.splitlines()
+    assert "\033[" not in out
+
+
+def test_catalog_command_json_keeps_the_fields(catalog_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_main("catalog", "--url", catalog_server, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    wide = next(p for p in doc["providers"] if p["id"] == "llama-wide")
+    assert (wide["capacity"], wide["slots"]) == (4, 8)
+    assert wide["endpoints"] == CATALOG_DOC["providers"][0]["endpoints"]

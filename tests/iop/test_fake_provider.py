@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import io
 import json
+import re
 import struct
 import time
+import wave
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import httpx
+import openai
 import pytest
 from aiohttp import web
 
 from iop.fake_provider import FakeOptions, _OptionsPatch, create_app, start
+from iop.fake_provider import _responses as fake_responses
 from iop.redis_server import free_port
 
 pytestmark = pytest.mark.anyio
@@ -86,6 +94,37 @@ def assert_openai_error(body: Any) -> None:
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert isinstance(body["error"]["message"], str)
     assert body["error"]["message"]
+
+
+def assert_anthropic_error(body: Any, type_: str = "invalid_request_error") -> None:
+    assert body["type"] == "error"
+    assert body["error"]["type"] == type_
+    assert isinstance(body["error"]["message"], str)
+    assert body["error"]["message"]
+    assert body["request_id"].startswith("req_")
+
+
+def typed_events(text: str) -> list[tuple[str | None, Any]]:
+    """The (event name, decoded data) pairs of an SSE body, in order."""
+    events: list[tuple[str | None, Any]] = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        name = None
+        data = None
+        for line in block.split("\n"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                name = value
+            else:
+                assert field == "data", block
+                data = json.loads(value)
+        events.append((name, data))
+    return events
+
+
+def openai_client(fake: Fake, **kwargs: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=fake.url + "/v1", api_key="sk-test", max_retries=0, **kwargs)
 
 
 # --------------------------------------------------------------------------- chat completions
@@ -560,6 +599,9 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         "hang": False,
         "garbage": False,
         "healthy": True,
+        "stream_no_done": False,
+        "empty_200": False,
+        "close_idle_keepalive": False,
     }
     assert fake.options is options
     assert (options.tokens, options.models, options.api_key, options.fail_status) == (2, ["x", "y"], "k", 502)
@@ -671,7 +713,7 @@ async def test_missing_model(fake: Fake, path: str, body: dict[str, Any]) -> Non
 
 
 async def test_unknown_path(fake: Fake) -> None:
-    for method, path in [("GET", "/nope"), ("POST", "/v1/responses"), ("GET", "/v1/models/x")]:
+    for method, path in [("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/models/x"), ("GET", "/v1/responses/x/y")]:
         async with fake.session.request(method, path) as resp:
             assert resp.status == 404
             assert_openai_error(await resp.json())
@@ -758,3 +800,932 @@ async def test_hooks_reject_bad_input(fake: Fake, patch: Any) -> None:
     assert_openai_error(body)
     async with fake.session.get("/_fake/hooks") as resp:
         assert await resp.json() == {"track_executions": False, "body_overrides": False}
+
+
+# --------------------------------------------------------------------------- Responses API
+
+
+RESPONSE_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.delta",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
+
+
+async def test_responses_json_shape(fake: Fake) -> None:
+    fake.options.tokens = 3
+    model = 'served/"model" ü'
+    status, body = await post(fake, "/v1/responses", {"model": model, "input": "Say hi", "instructions": "Be brief"})
+    assert status == 200
+    assert body["id"].startswith("resp_")
+    assert body["object"] == "response"
+    assert isinstance(body["created_at"], int)
+    assert body["status"] == "completed"
+    assert body["model"] == model
+    assert body["instructions"] == "Be brief"
+    assert body["previous_response_id"] is None
+    assert body["store"] is True
+    [message] = body["output"]
+    assert message["type"] == "message"
+    assert message["id"].startswith("msg_")
+    assert (message["role"], message["status"]) == ("assistant", "completed")
+    assert message["content"] == [
+        {"type": "output_text", "text": "tok0 tok1 tok2", "annotations": [], "logprobs": []}
+    ]
+    usage = body["usage"]
+    assert usage["output_tokens"] == 3
+    assert usage["input_tokens"] >= 1
+    assert usage["total_tokens"] == usage["input_tokens"] + 3
+
+
+async def test_responses_with_the_openai_sdk(fake: Fake) -> None:
+    fake.options.tokens = 4
+    async with openai_client(fake) as client:
+        response = await client.responses.create(model="gpt-fake", input="hello")
+        assert response.model == "gpt-fake"
+        assert response.output_text == "tok0 tok1 tok2 tok3"
+        assert response.usage is not None
+        assert response.usage.output_tokens == 4
+        stream = await client.responses.create(model="gpt-fake", input="hello", stream=True)
+        types = [event.type async for event in stream]
+        assert types[:4] == RESPONSE_EVENTS[:4]
+        assert types.count("response.output_text.delta") == 4
+        assert types[-4:] == RESPONSE_EVENTS[-4:]
+        async with client.responses.stream(model="gpt-fake", input="hi", previous_response_id=response.id) as events:
+            final = await events.get_final_response()
+        assert final.output_text == "tok0 tok1 tok2 tok3"
+        assert final.previous_response_id == response.id
+        assert final.model == "gpt-fake"
+
+
+async def test_responses_stream_events_in_order(fake: Fake) -> None:
+    fake.options.tokens = 3
+    body = {"model": "stream-model", "input": [{"role": "user", "content": "hi"}], "stream": True}
+    async with fake.session.post("/v1/responses", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text = await resp.text()
+    assert "[DONE]" not in text
+    events = typed_events(text)
+    assert [name for name, _ in events] == RESPONSE_EVENTS
+    assert all(data["type"] == name for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    by_type = {name: data for name, data in events}
+    for name in ("response.created", "response.in_progress", "response.completed"):
+        assert by_type[name]["response"]["model"] == "stream-model"
+    rid = by_type["response.created"]["response"]["id"]
+    assert by_type["response.created"]["response"]["status"] == "in_progress"
+    assert by_type["response.completed"]["response"]["id"] == rid
+    assert by_type["response.completed"]["response"]["status"] == "completed"
+    deltas = [data["delta"] for name, data in events if name == "response.output_text.delta"]
+    assert deltas == ["tok0 ", "tok1 ", "tok2"]
+    item_id = by_type["response.output_item.added"]["item"]["id"]
+    assert all(data["item_id"] == item_id for name, data in events if "item_id" in data)
+    assert by_type["response.output_text.done"]["text"] == "tok0 tok1 tok2"
+    assert by_type["response.output_item.done"]["item"]["content"][0]["text"] == "tok0 tok1 tok2"
+    completed = by_type["response.completed"]["response"]
+    assert completed["output"][0]["id"] == item_id
+    assert completed["usage"]["output_tokens"] == 3
+    # The streamed response was stored under its id.
+    async with fake.session.get(f"/v1/responses/{rid}") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["output"] == completed["output"]
+
+
+async def test_responses_stream_deltas_arrive_spaced_out(fake: Fake) -> None:
+    fake.options.tokens = 4
+    fake.options.token_interval_ms = 80
+    arrivals: list[float] = []
+    async with fake.session.post("/v1/responses", json={"model": "m", "input": "x", "stream": True}) as resp:
+        async for line in resp.content:
+            if line.startswith(b"event: response.output_text.delta"):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) == 4
+    assert arrivals[-1] - arrivals[0] > 0.15
+
+
+async def test_responses_store_retrieve_items_delete(fake: Fake) -> None:
+    status, created = await post(fake, "/v1/responses", {"model": "m", "input": "What is up?"})
+    assert status == 200
+    rid = created["id"]
+    async with fake.session.get(f"/v1/responses/{rid}") as resp:
+        assert resp.status == 200
+        assert await resp.json() == created
+    async with fake.session.get(f"/v1/responses/{rid}/input_items") as resp:
+        assert resp.status == 200
+        items = await resp.json()
+    assert items["object"] == "list"
+    assert items["has_more"] is False
+    [item] = items["data"]
+    assert item["type"] == "message"
+    assert item["role"] == "user"
+    assert item["content"] == [{"type": "input_text", "text": "What is up?"}]
+    assert items["first_id"] == items["last_id"] == item["id"]
+    async with fake.session.delete(f"/v1/responses/{rid}") as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"id": rid, "object": "response", "deleted": True}
+    for method, path in [("GET", f"/v1/responses/{rid}"), ("DELETE", f"/v1/responses/{rid}"),
+                         ("GET", f"/v1/responses/{rid}/input_items"), ("POST", f"/v1/responses/{rid}/cancel")]:
+        async with fake.session.request(method, path) as resp:
+            assert resp.status == 404, (method, path)
+            body = await resp.json()
+            assert_openai_error(body)
+            assert body["error"]["message"] == f"Response with id '{rid}' not found."
+
+
+async def test_responses_input_items_order_and_pages(fake: Fake) -> None:
+    conversation = [
+        {"role": "system", "content": "Be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello", "id": "msg_given"},
+        {"role": "user", "content": "Bye"},
+    ]
+    _, created = await post(fake, "/v1/responses", {"model": "m", "input": conversation})
+    path = f"/v1/responses/{created['id']}/input_items"
+    async with fake.session.get(path, params={"order": "asc"}) as resp:
+        ascending = (await resp.json())["data"]
+    assert [i["role"] for i in ascending] == ["system", "user", "assistant", "user"]
+    assert all(i["type"] == "message" for i in ascending)
+    assert ascending[2]["id"] == "msg_given"
+    assert ascending[2]["content"] == [{"type": "output_text", "text": "Hello"}]
+    assert ascending[3]["content"] == [{"type": "input_text", "text": "Bye"}]
+    async with fake.session.get(path) as resp:
+        descending = await resp.json()
+    assert descending["data"] == ascending[::-1]
+    async with fake.session.get(path, params={"order": "asc", "limit": "2"}) as resp:
+        page = await resp.json()
+    assert page["data"] == ascending[:2]
+    assert page["has_more"] is True
+    async with fake.session.get(path, params={"order": "asc", "limit": "2", "after": page["last_id"]}) as resp:
+        rest = await resp.json()
+    assert rest["data"] == ascending[2:]
+    assert rest["has_more"] is False
+    async with fake.session.get(path, params={"limit": "0"}) as resp:
+        assert resp.status == 400
+
+
+async def test_responses_previous_response_id(fake: Fake) -> None:
+    _, first = await post(fake, "/v1/responses", {"model": "m", "input": "one"})
+    body = {"model": "m", "input": "two", "previous_response_id": first["id"]}
+    status, second = await post(fake, "/v1/responses", body)
+    assert status == 200
+    assert second["previous_response_id"] == first["id"]
+    status, body = await post(fake, "/v1/responses", {"model": "m", "input": "x", "previous_response_id": "resp_nope"})
+    assert status == 404
+    assert_openai_error(body)
+    assert body["error"]["message"] == "Previous response with id 'resp_nope' not found."
+    assert body["error"]["param"] == "previous_response_id"
+    assert body["error"]["code"] == "previous_response_not_found"
+    # store: false keeps nothing: neither retrievable nor usable as a previous response.
+    _, unstored = await post(fake, "/v1/responses", {"model": "m", "input": "x", "store": False})
+    assert unstored["store"] is False
+    async with fake.session.get(f"/v1/responses/{unstored['id']}") as resp:
+        assert resp.status == 404
+    status, _ = await post(fake, "/v1/responses", {"model": "m", "input": "x", "previous_response_id": unstored["id"]})
+    assert status == 404
+
+
+async def test_responses_live_on_one_fake(fake: Fake) -> None:
+    """Each fake keeps its own responses: a response created on one is unknown to the other."""
+    port = free_port()
+    runner = await start(HOST, port, FakeOptions())
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://{HOST}:{port}") as session:
+            other = Fake(FakeOptions(), session, f"http://{HOST}:{port}")
+            _, created = await post(fake, "/v1/responses", {"model": "m", "input": "x"})
+            rid = created["id"]
+            async with other.session.get(f"/v1/responses/{rid}") as resp:
+                assert resp.status == 404
+            status, body = await post(other, "/v1/responses", {"model": "m", "input": "y", "previous_response_id": rid})
+            assert status == 404
+            assert body["error"]["code"] == "previous_response_not_found"
+            status, _ = await post(fake, "/v1/responses", {"model": "m", "input": "y", "previous_response_id": rid})
+            assert status == 200
+            # Ids are unique across fakes.
+            _, on_other = await post(other, "/v1/responses", {"model": "m", "input": "z"})
+            assert on_other["id"] != rid
+            async with fake.session.get(f"/v1/responses/{on_other['id']}") as resp:
+                assert resp.status == 404
+    finally:
+        await runner.cleanup()
+
+
+async def test_responses_store_is_bounded(fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fake_responses, "_MAX_STORED", 3)
+    ids = []
+    for i in range(4):
+        _, created = await post(fake, "/v1/responses", {"model": "m", "input": str(i)})
+        ids.append(created["id"])
+    statuses = []
+    for rid in ids:
+        async with fake.session.get(f"/v1/responses/{rid}") as resp:
+            statuses.append(resp.status)
+    assert statuses == [404, 200, 200, 200]
+
+
+async def test_responses_cancel(fake: Fake) -> None:
+    _, foreground = await post(fake, "/v1/responses", {"model": "m", "input": "x"})
+    async with fake.session.post(f"/v1/responses/{foreground['id']}/cancel") as resp:
+        assert resp.status == 400
+        assert_openai_error(await resp.json())
+    status, queued = await post(fake, "/v1/responses", {"model": "m", "input": "x", "background": True})
+    assert status == 200
+    assert (queued["status"], queued["background"], queued["output"]) == ("queued", True, [])
+    async with fake.session.get(f"/v1/responses/{queued['id']}") as resp:
+        assert (await resp.json())["status"] == "completed"
+    async with fake.session.post(f"/v1/responses/{queued['id']}/cancel") as resp:
+        assert resp.status == 200
+        cancelled = await resp.json()
+    assert (cancelled["id"], cancelled["status"]) == (queued["id"], "cancelled")
+    async with fake.session.get(f"/v1/responses/{queued['id']}") as resp:
+        assert (await resp.json())["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("body", [{"input": 3}, {"input": [1]}, {"input": "x", "previous_response_id": 3}])
+async def test_responses_bad_input(fake: Fake, body: dict[str, Any]) -> None:
+    status, answer = await post(fake, "/v1/responses", {"model": "m", **body})
+    assert status == 400
+    assert_openai_error(answer)
+
+
+async def test_responses_wrong_method_lists_allowed(fake: Fake) -> None:
+    async with fake.session.put("/v1/responses/resp_x") as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "DELETE, GET"
+        assert_openai_error(await resp.json())
+
+
+# --------------------------------------------------------------------------- Anthropic Messages API
+
+
+MESSAGES = [{"role": "user", "content": "Hello there, fake"}]
+
+
+async def test_messages_json_shape_and_headers(fake: Fake) -> None:
+    fake.options.tokens = 3
+    body = {"model": "claude-served", "max_tokens": 100, "messages": MESSAGES}
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024-04-04"}
+    async with fake.session.post("/v1/messages", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        answer = await resp.json()
+        assert resp.headers["x-fake-anthropic-version"] == "2023-06-01"
+        assert resp.headers["x-fake-anthropic-beta"] == "tools-2024-04-04"
+        assert resp.headers["anthropic-ratelimit-requests-remaining"] == "99"
+        assert resp.headers["request-id"].startswith("req_fake")
+    assert answer["id"].startswith("msg_")
+    assert (answer["type"], answer["role"], answer["model"]) == ("message", "assistant", "claude-served")
+    assert answer["content"] == [{"type": "text", "text": "tok0 tok1 tok2"}]
+    assert (answer["stop_reason"], answer["stop_sequence"]) == ("end_turn", None)
+    assert answer["usage"]["input_tokens"] == 3  # "Hello there, fake"
+    assert answer["usage"]["output_tokens"] == 3
+    [recorded] = await fake.requests()
+    assert recorded["headers"] == headers
+    # Without the headers, nothing is echoed.
+    async with fake.session.post("/v1/messages", json=body) as resp:
+        assert "x-fake-anthropic-version" not in resp.headers
+        assert "request-id" in resp.headers
+
+
+async def test_messages_stop_at_max_tokens(fake: Fake) -> None:
+    fake.options.tokens = 5
+    _, answer = await post(fake, "/v1/messages", {"model": "c", "max_tokens": 2, "messages": MESSAGES})
+    assert answer["content"][0]["text"] == "tok0 tok1"
+    assert answer["stop_reason"] == "max_tokens"
+    assert answer["usage"]["output_tokens"] == 2
+
+
+async def test_messages_stream_events_in_order(fake: Fake) -> None:
+    fake.options.tokens = 3
+    body = {"model": "claude-served", "max_tokens": 100, "messages": MESSAGES, "stream": True}
+    async with fake.session.post("/v1/messages", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["request-id"].startswith("req_fake")
+        events = typed_events(await resp.text())
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in events)
+    start_message = events[0][1]["message"]
+    assert start_message["model"] == "claude-served"
+    assert start_message["content"] == []
+    assert start_message["stop_reason"] is None
+    assert start_message["usage"]["input_tokens"] == 3
+    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert [data["delta"] for _, data in events[3:6]] == [
+        {"type": "text_delta", "text": "tok0 "},
+        {"type": "text_delta", "text": "tok1 "},
+        {"type": "text_delta", "text": "tok2"},
+    ]
+    assert events[7][1]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert events[7][1]["usage"] == {"output_tokens": 3}
+
+
+async def test_messages_with_the_anthropic_sdk(fake: Fake) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    fake.options.tokens = 4
+    async with anthropic.AsyncAnthropic(base_url=fake.url, api_key="sk-ant", max_retries=0) as client:
+        message = await client.messages.create(model="claude-x", max_tokens=64, messages=MESSAGES)
+        assert message.model == "claude-x"
+        assert message.content[0].text == "tok0 tok1 tok2 tok3"
+        assert message.stop_reason == "end_turn"
+        async with client.messages.stream(model="claude-x", max_tokens=3, messages=MESSAGES) as stream:
+            texts = [text async for text in stream.text_stream]
+            final = await stream.get_final_message()
+        assert texts == ["tok0 ", "tok1 ", "tok2"]
+        assert final.content[0].text == "tok0 tok1 tok2"
+        assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 3)
+        count = await client.messages.count_tokens(model="claude-x", messages=MESSAGES, system="Be nice")
+        assert count.input_tokens == 3 + 2
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await client.messages.create(model="claude-x", max_tokens=0, messages=MESSAGES)
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+    [*_, recorded] = await fake.requests()
+    assert recorded["headers"]["anthropic-version"]
+    assert "sk-ant" in (recorded["authorization"] or "") + recorded["headers"].get("x-api-key", "")
+
+
+async def test_count_tokens_matches_usage(fake: Fake) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
+        {"role": "assistant", "content": "four"},
+    ]
+    body = {"model": "c", "system": [{"type": "text", "text": "five six"}], "messages": messages}
+    status, counted = await post(fake, "/v1/messages/count_tokens", body)
+    assert (status, counted) == (200, {"input_tokens": 6})
+    _, answer = await post(fake, "/v1/messages", {**body, "max_tokens": 10})
+    assert answer["usage"]["input_tokens"] == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"model": "c", "messages": MESSAGES}, "max_tokens: Field required"),
+        ({"model": "c", "max_tokens": "10", "messages": MESSAGES}, "max_tokens"),
+        ({"model": "c", "max_tokens": 10}, "messages: Field required"),
+        ({"max_tokens": 10, "messages": MESSAGES}, "model: Field required"),
+    ],
+)
+async def test_messages_bad_request_is_anthropic_shaped(fake: Fake, body: dict[str, Any], message: str) -> None:
+    async with fake.session.post("/v1/messages", json=body) as resp:
+        assert resp.status == 400
+        assert resp.headers["request-id"].startswith("req_fake")
+        answer = await resp.json()
+    assert_anthropic_error(answer)
+    assert answer["error"]["message"].startswith(message)
+
+
+async def test_messages_api_key(fake: Fake) -> None:
+    fake.options.api_key = "sk-ant-secret"
+    body = {"model": "c", "max_tokens": 10, "messages": MESSAGES}
+    status, answer = await post(fake, "/v1/messages", body)
+    assert status == 401
+    assert_anthropic_error(answer, "authentication_error")
+    status, _ = await post(fake, "/v1/messages", body, headers={"x-api-key": "sk-ant-secret"})
+    assert status == 200
+    status, _ = await post(fake, "/v1/messages", body, headers={"Authorization": "Bearer sk-ant-secret"})
+    assert status == 200
+    # x-api-key is the Anthropic way only.
+    status, answer = await post(fake, "/v1/responses", {"model": "m"}, headers={"x-api-key": "sk-ant-secret"})
+    assert status == 401
+    assert_openai_error(answer)
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"), [(429, "rate_limit_error"), (529, "overloaded_error"), (500, "api_error")]
+)
+async def test_messages_fail_status_is_anthropic_shaped(fake: Fake, status: int, type_: str) -> None:
+    fake.options.fail_status = status
+    got, answer = await post(fake, "/v1/messages", {"model": "c", "max_tokens": 1, "messages": MESSAGES})
+    assert got == status
+    assert_anthropic_error(answer, type_)
+
+
+# --------------------------------------------------------------------------- rerank, score, tokenize
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+async def test_rerank(fake: Fake, path: str) -> None:
+    documents = ["the cat sat", {"text": "a dog barked"}, "the cat sat on the mat", "nothing"]
+    body = {"model": "reranker", "query": "The cat sat on the mat", "documents": documents}
+    status, answer = await post(fake, path, body)
+    assert status == 200
+    assert answer["model"] == "reranker"
+    assert answer["id"]
+    assert answer["usage"]["total_tokens"] > 0
+    results = answer["results"]
+    assert [r["index"] for r in results] == [2, 0, 1, 3]
+    assert results[0]["relevance_score"] == 1.0
+    assert results[0]["document"] == {"text": "the cat sat on the mat"}
+    assert results[2]["document"] == {"text": "a dog barked"}
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    assert scores[-1] == 0.0
+    _, again = await post(fake, path, body)
+    assert again["results"] == results
+    _, top = await post(fake, path, {**body, "top_n": 2, "return_documents": False})
+    assert top["results"] == [{"index": r["index"], "relevance_score": r["relevance_score"]} for r in results[:2]]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"documents": ["a"]},
+        {"query": "a"},
+        {"query": "a", "documents": [3]},
+        {"query": "a", "documents": ["a"], "top_n": -1},
+    ],
+)
+async def test_rerank_bad_input(fake: Fake, body: dict[str, Any]) -> None:
+    status, answer = await post(fake, "/v1/rerank", {"model": "r", **body})
+    assert status == 400
+    assert_openai_error(answer)
+
+
+@pytest.mark.parametrize("path", ["/v1/score", "/score"])
+async def test_score(fake: Fake, path: str) -> None:
+    status, answer = await post(fake, path, {"model": "scorer", "text_1": "red apple", "text_2": "red apple"})
+    assert status == 200
+    assert (answer["object"], answer["model"]) == ("list", "scorer")
+    assert answer["data"] == [{"index": 0, "object": "score", "score": 1.0}]
+    assert answer["usage"]["total_tokens"] == 4
+    _, many = await post(fake, path, {"model": "s", "text_1": "red apple", "text_2": ["red", "blue", "apple red"]})
+    assert [d["score"] for d in many["data"]] == [0.5, 0.0, 1.0]
+    _, pairs = await post(fake, path, {"model": "s", "text_1": ["a", "b"], "text_2": ["a", "c"]})
+    assert [d["score"] for d in pairs["data"]] == [1.0, 0.0]
+    status, bad = await post(fake, path, {"model": "s", "text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
+    assert status == 400
+    assert_openai_error(bad)
+
+
+@pytest.mark.parametrize("prefix", ["", "/v1"])
+async def test_tokenize_detokenize_round_trip(fake: Fake, prefix: str) -> None:
+    status, tokens = await post(fake, prefix + "/tokenize", {"model": "m", "prompt": "tok3 Hello  wörld tok0"})
+    assert status == 200
+    assert tokens["count"] == 4
+    assert tokens["max_model_len"] > 0
+    ids = tokens["tokens"]
+    assert ids[0] == 3
+    assert ids[3] == 0
+    assert all(isinstance(t, int) and t >= 2**30 for t in ids[1:3])
+    status, text = await post(fake, prefix + "/detokenize", {"model": "m", "tokens": ids})
+    assert (status, text) == (200, {"prompt": "tok3 Hello wörld tok0"})
+    # The answer words of the fake are tokens 0, 1, 2, ...
+    _, words = await post(fake, prefix + "/detokenize", {"tokens": [0, 1, 2]})
+    assert words == {"prompt": "tok0 tok1 tok2"}
+    # llama.cpp's shape: "content", no model.
+    _, llama = await post(fake, prefix + "/tokenize", {"content": "tok7 tok8"})
+    assert llama["tokens"] == [7, 8]
+    _, chat = await post(fake, prefix + "/tokenize", {"model": "m", "messages": [{"role": "user", "content": "tok5"}]})
+    assert chat["tokens"] == [5]
+    status, unknown = await post(fake, prefix + "/detokenize", {"tokens": [2**31 - 1]})
+    assert status == 400
+    assert_openai_error(unknown)
+
+
+# --------------------------------------------------------------------------- audio
+
+
+async def test_transcription_with_the_openai_sdk(fake: Fake) -> None:
+    audio = bytes(range(256)) * 5
+    async with openai_client(fake) as client:
+        result = await client.audio.transcriptions.create(
+            model="whisper-served", file=("speech.wav", audio, "audio/wav"), language="en"
+        )
+    assert result.text == f"fake transcript of {len(audio)} bytes by whisper-served"
+    [recorded] = await fake.requests()
+    assert recorded["path"] == "/v1/audio/transcriptions"
+    assert recorded["model"] == "whisper-served"
+    assert recorded["stream"] is False
+    body = recorded["body"]
+    assert body["model"] == "whisper-served"
+    assert body["language"] == "en"
+    assert body["file"] == {
+        "filename": "speech.wav",
+        "content_type": "audio/wav",
+        "size": len(audio),
+        "sha256": hashlib.sha256(audio).hexdigest(),
+    }
+
+
+def multipart(fields: dict[str, str | list[str]], audio: bytes = b"RIFF....") -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    form.add_field("file", audio, filename="a.wav", content_type="audio/wav")
+    for name, value in fields.items():
+        for item in value if isinstance(value, list) else [value]:
+            form.add_field(name, item)
+    return form
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content_type", "expected"),
+    [
+        ("text", "text/plain", "fake transcript of 8 bytes by w\n"),
+        ("srt", "text/plain", "1\n00:00:00,000 --> 00:00:00,010\nfake transcript of 8 bytes by w\n\n"),
+        ("vtt", "text/vtt", "WEBVTT\n\n00:00:00.000 --> 00:00:00.010\nfake transcript of 8 bytes by w\n\n"),
+    ],
+)
+async def test_transcription_text_formats(fake: Fake, fmt: str, content_type: str, expected: str) -> None:
+    form = multipart({"model": "w", "response_format": fmt})
+    async with fake.session.post("/v1/audio/transcriptions", data=form) as resp:
+        assert resp.status == 200
+        assert resp.content_type == content_type
+        assert await resp.text() == expected
+
+
+async def test_transcription_verbose_json(fake: Fake) -> None:
+    audio = b"\x00" * 64_000
+    fields: dict[str, str | list[str]] = {
+        "model": "w",
+        "response_format": "verbose_json",
+        "timestamp_granularities[]": ["word", "segment"],
+    }
+    async with fake.session.post("/v1/audio/transcriptions", data=multipart(fields, audio)) as resp:
+        answer = await resp.json()
+    assert answer["task"] == "transcribe"
+    assert answer["duration"] == 2.0
+    assert answer["text"] == "fake transcript of 64000 bytes by w"
+    assert answer["segments"][0]["text"] == answer["text"]
+    assert [w["word"] for w in answer["words"]] == answer["text"].split()
+    [recorded] = await fake.requests()
+    assert recorded["body"]["timestamp_granularities[]"] == ["word", "segment"]
+
+
+async def test_transcription_stream(fake: Fake) -> None:
+    fake.options.token_interval_ms = 30
+    async with fake.session.post("/v1/audio/transcriptions", data=multipart({"model": "w", "stream": "true"})) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = typed_events(await resp.text())
+    names = [name for name, _ in events]
+    assert names == ["transcript.text.delta"] * 7 + ["transcript.text.done"]
+    assert all(data["type"] == name for name, data in events)
+    assert "".join(data["delta"] for _, data in events[:-1]) == "fake transcript of 8 bytes by w"
+    assert events[-1][1]["text"] == "fake transcript of 8 bytes by w"
+    assert events[-1][1]["usage"]["type"] == "tokens"
+    [recorded] = await fake.requests()
+    assert recorded["stream"] is True
+    async with openai_client(fake) as client:
+        stream = await client.audio.transcriptions.create(
+            model="gpt-4o-transcribe", file=("a.wav", b"x" * 3), stream=True
+        )
+        sdk_events = [event async for event in stream]
+    assert sdk_events[-1].type == "transcript.text.done"
+    assert sdk_events[-1].text == "fake transcript of 3 bytes by gpt-4o-transcribe"
+
+
+async def test_translation(fake: Fake) -> None:
+    async with fake.session.post("/v1/audio/translations", data=multipart({"model": "w"}, b"12345")) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"text": "fake translation of 5 bytes by w"}
+
+
+async def test_transcription_bad_requests(fake: Fake) -> None:
+    status, answer = await post(fake, "/v1/audio/transcriptions", {"model": "w"})
+    assert status == 400
+    assert_openai_error(answer)
+    assert "multipart/form-data" in answer["error"]["message"]
+    form = aiohttp.FormData()
+    form.add_field("model", "w")
+    form.add_field("other", b"x", filename="x.bin")  # a file, not under "file"
+    async with fake.session.post("/v1/audio/transcriptions", data=form) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "file"
+    async with fake.session.post("/v1/audio/transcriptions", data=multipart({"response_format": "json"})) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "model"
+    form = multipart({"model": "w", "response_format": "x"})
+    async with fake.session.post("/v1/audio/transcriptions", data=form) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "response_format"
+
+
+async def test_speech_wav_arrives_in_pieces(fake: Fake) -> None:
+    fake.options.tokens = 4
+    fake.options.token_interval_ms = 100
+    text = "Hello, speech!"
+    pieces: list[tuple[float, int]] = []
+    stats_at_first_piece: dict[str, int] | None = None
+    body = {"model": "tts-served", "input": text, "voice": "alloy", "response_format": "wav"}
+    async with fake.session.post("/v1/audio/speech", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "audio/wav"
+        assert resp.headers["Transfer-Encoding"] == "chunked"
+        assert "Content-Length" not in resp.headers
+        total = int(resp.headers["x-fake-audio-bytes"])
+        data = b""
+        async for piece in resp.content.iter_any():
+            pieces.append((time.monotonic(), len(piece)))
+            data += piece
+            if stats_at_first_piece is None:
+                stats_at_first_piece = await fake.stats()
+    assert len(data) == total == 44 + len(text) * 480
+    assert len(pieces) >= 3
+    assert pieces[-1][0] - pieces[0][0] > 0.2
+    assert stats_at_first_piece is not None
+    assert stats_at_first_piece["in_flight"] == 1
+    with wave.open(io.BytesIO(data)) as audio:
+        assert (audio.getnchannels(), audio.getsampwidth(), audio.getframerate()) == (1, 2, 24_000)
+        assert audio.getnframes() == len(text) * 240
+    # Deterministic.
+    async with fake.session.post("/v1/audio/speech", json=body) as resp:
+        assert await resp.read() == data
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content_type", "magic", "header"),
+    [
+        (None, "audio/mpeg", b"ID3", 10),
+        ("mp3", "audio/mpeg", b"ID3", 10),
+        ("pcm", "audio/pcm", b"", 0),
+        ("flac", "audio/flac", b"fLaC", 4),
+    ],
+)
+async def test_speech_formats(fake: Fake, fmt: str | None, content_type: str, magic: bytes, header: int) -> None:
+    body: dict[str, Any] = {"model": "tts", "input": "hi", "voice": "alloy"}
+    if fmt is not None:
+        body["response_format"] = fmt
+    async with fake.session.post("/v1/audio/speech", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == content_type
+        data = await resp.read()
+    assert data.startswith(magic)
+    assert len(data) == header + 2 * 480 == int(resp.headers["x-fake-audio-bytes"])
+
+
+async def test_speech_with_the_openai_sdk(fake: Fake) -> None:
+    async with openai_client(fake) as client, client.audio.speech.with_streaming_response.create(
+        model="tts-1", input="abc", voice="nova", response_format="wav"
+    ) as response:
+        data = await response.read()
+    assert data[:4] == b"RIFF"
+    assert len(data) == 44 + 3 * 480
+
+
+async def test_speech_sse(fake: Fake) -> None:
+    fake.options.tokens = 3
+    body = {"model": "tts", "input": "abcd", "voice": "alloy", "response_format": "pcm", "stream_format": "sse"}
+    async with fake.session.post("/v1/audio/speech", json=body) as resp:
+        events = typed_events(await resp.text())
+    assert [name for name, _ in events] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
+    audio = b"".join(base64.b64decode(data["audio"]) for _, data in events[:-1])
+    assert len(audio) == 4 * 480
+
+
+@pytest.mark.parametrize(
+    "body", [{"voice": "alloy"}, {"input": "x"}, {"input": "x", "voice": "a", "response_format": "ogg"}]
+)
+async def test_speech_bad_input(fake: Fake, body: dict[str, Any]) -> None:
+    status, answer = await post(fake, "/v1/audio/speech", {"model": "tts", **body})
+    assert status == 400
+    assert_openai_error(answer)
+
+
+# --------------------------------------------------------------------------- images
+
+
+def assert_png(data: bytes) -> None:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    position = 8
+    chunks: dict[bytes, bytes] = {}
+    while position < len(data):
+        (length,) = struct.unpack(">I", data[position : position + 4])
+        tag = data[position + 4 : position + 8]
+        content = data[position + 8 : position + 8 + length]
+        (crc,) = struct.unpack(">I", data[position + 8 + length : position + 12 + length])
+        assert crc == zlib.crc32(tag + content)
+        chunks[tag] = content
+        position += 12 + length
+    assert list(chunks) == [b"IHDR", b"IDAT", b"IEND"]
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    assert (width, height) == (1, 1)
+    assert len(zlib.decompress(chunks[b"IDAT"])) == 1 + 3
+
+
+async def test_images_with_the_openai_sdk(fake: Fake) -> None:
+    async with openai_client(fake) as client:
+        result = await client.images.generate(model="image-served", prompt="a red fox", n=2)
+    assert result.data is not None
+    assert len(result.data) == 2
+    images = [base64.b64decode(item.b64_json or "") for item in result.data]
+    for image in images:
+        assert_png(image)
+    assert images[0] != images[1]
+    assert result.data[0].revised_prompt == "a red fox"
+    [recorded] = await fake.requests()
+    assert recorded["model"] == "image-served"
+
+
+async def test_images_url_and_bad_input(fake: Fake) -> None:
+    status, answer = await post(fake, "/v1/images/generations", {"model": "i", "prompt": "x", "response_format": "url"})
+    assert status == 200
+    [item] = answer["data"]
+    assert item["url"].startswith("data:image/png;base64,")
+    assert_png(base64.b64decode(item["url"].split(",", 1)[1]))
+    bad: list[dict[str, Any]] = [{"prompt": "x", "n": 0}, {"prompt": "x", "n": 11}, {"n": 1}]
+    for body in [*bad, {"prompt": "x", "response_format": "gif"}]:
+        status, answer = await post(fake, "/v1/images/generations", {"model": "i", **body})
+        assert status == 400, body
+        assert_openai_error(answer)
+
+
+# --------------------------------------------------------------------------- knobs on every endpoint
+
+NEW_POSTS = [
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/tokenize",
+    "/detokenize",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/audio/speech",
+    "/v1/images/generations",
+]
+
+
+@pytest.mark.parametrize("path", NEW_POSTS)
+async def test_fail_status_and_stats_on_every_endpoint(fake: Fake, path: str) -> None:
+    fake.options.fail_status = 503
+    async with fake.session.post(path, json={"model": "m"}, headers={"anthropic-version": "2023-06-01"}) as resp:
+        assert resp.status == 503
+        body = await resp.json()
+        assert resp.headers["x-request-id"]
+    if path.startswith("/v1/messages"):
+        assert_anthropic_error(body, "api_error")
+    else:
+        assert_openai_error(body)
+    assert (await fake.stats())["completed"] == 1
+    [recorded] = await fake.requests()
+    assert (recorded["path"], recorded["model"]) == (path, "m")
+    assert recorded["headers"] == {"anthropic-version": "2023-06-01"}
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/rerank", "/v1/audio/speech", "/tokenize"])
+async def test_api_key_delay_garbage_on_new_endpoints(fake: Fake, path: str) -> None:
+    fake.options.api_key = "sk-key"
+    status, answer = await post(fake, path, {"model": "m"})
+    assert status == 401
+    assert_openai_error(answer)
+    fake.options.delay_ms = 150
+    fake.options.garbage = True
+    started = time.monotonic()
+    async with fake.session.post(path, json={"model": "m"}, headers={"Authorization": "Bearer sk-key"}) as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    assert time.monotonic() - started >= 0.14
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+async def test_hang_on_a_new_endpoint(fake: Fake) -> None:
+    fake.options.hang = True
+    body = {"model": "c", "max_tokens": 5, "messages": MESSAGES}
+    task = asyncio.ensure_future(post(fake, "/v1/messages", body))
+    await fake.wait_stats(in_flight=1)
+    assert not task.done()
+    fake.options.hang = False
+    status, answer = await asyncio.wait_for(task, 5)
+    assert (status, answer["model"]) == (200, "c")
+
+
+async def test_overrides_and_executions_on_new_endpoints(fake: Fake) -> None:
+    await post(fake, "/_fake/hooks", {"track_executions": True, "body_overrides": True})
+    _, response = await post(fake, "/v1/responses", {"model": "m", "input": "x", "user": "r1", "fake": {"tokens": 2}})
+    assert response["output"][0]["content"][0]["text"] == "tok0 tok1"
+    body = {"model": "c", "max_tokens": 9, "messages": MESSAGES, "metadata": {"user_id": "r2"}, "stream": True}
+    async with fake.session.post("/v1/messages", json={**body, "fake": {"tokens": 1}}) as resp:
+        events = typed_events(await resp.text())
+    assert [d["delta"]["text"] for name, d in events if name == "content_block_delta"] == ["tok0"]
+    async with fake.session.get("/_fake/executions") as resp:
+        executions = await resp.json()
+    assert [(e["marker"], e["path"], e["stream"], e["outcome"]) for e in executions] == [
+        ("r1", "/v1/responses", False, "completed"),
+        ("r2", "/v1/messages", True, "completed"),
+    ]
+
+
+async def test_stored_response_requests_are_recorded_with_method(fake: Fake) -> None:
+    _, created = await post(fake, "/v1/responses", {"model": "m", "input": "x"})
+    async with fake.session.get(f"/v1/responses/{created['id']}") as resp:
+        assert resp.status == 200
+    recorded = await fake.requests()
+    assert "method" not in recorded[0]
+    assert recorded[1] == {
+        "path": f"/v1/responses/{created['id']}",
+        "model": None,
+        "stream": False,
+        "authorization": None,
+        "body": None,
+        "method": "GET",
+    }
+
+
+# --------------------------------------------------------------------------- real servers' quirks
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-8[0-9a-f]{3}-[0-9a-f]{12}")
+
+
+async def test_v1_answer_headers(fake: Fake) -> None:
+    seen: list[str] = []
+    requests: list[tuple[str, Any]] = [
+        ("/v1/chat/completions", {"model": "m"}),
+        ("/v1/chat/completions", {"model": "m", "stream": True}),
+        ("/v1/embeddings", {"model": "m"}),  # a 400
+        ("/v1/rerank", {"model": "m", "query": "a", "documents": ["a"]}),
+    ]
+    fake.options.token_interval_ms = 1  # a prepared (streamed) answer too
+    for path, body in requests:
+        async with fake.session.post(path, json=body) as resp:
+            await resp.read()
+            headers = resp.headers
+            assert UUID.fullmatch(headers["x-request-id"]), headers
+            assert int(headers["openai-processing-ms"]) >= 0
+            assert headers["x-ratelimit-remaining-requests"] == "99"
+            assert headers["Keep-Alive"] == "timeout=5"
+            assert "Connection" not in headers
+            seen.append(headers["x-request-id"])
+    for path in ("/v1/models", "/v1/nope"):
+        async with fake.session.get(path) as resp:
+            assert resp.headers["Keep-Alive"] == "timeout=5"
+            seen.append(resp.headers["x-request-id"])
+    assert all(UUID.fullmatch(s) for s in seen)
+    assert len(set(seen)) == len(seen)
+
+
+async def test_stream_no_done(fake: Fake) -> None:
+    fake.options.tokens = 2
+    fake.options.stream_no_done = True
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        async with fake.session.post(path, json={"model": "m", "stream": True}) as resp:
+            events = sse_events(await resp.text())
+        assert "[DONE]" not in events
+        assert json.loads(events[-1])["choices"][0]["finish_reason"] == "stop"
+    async with openai_client(fake) as client:
+        stream = await client.chat.completions.create(model="m", messages=[], stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_empty_200(fake: Fake) -> None:
+    fake.options.empty_200 = True
+    for body in ({"model": "m"}, {"model": "m", "stream": True}):
+        async with fake.session.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Length"] == "0"
+            assert await resp.read() == b""
+    async with fake.session.post("/v1/audio/speech", json={"model": "m"}) as resp:
+        assert (resp.status, await resp.read()) == (200, b"")
+
+
+async def test_close_idle_keepalive(fake: Fake) -> None:
+    fake.options.close_idle_keepalive = True
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(base_url=fake.url, connector=connector) as session:
+        async with session.post("/v1/chat/completions", json={"model": "m", "user": "first"}) as resp:
+            assert resp.status == 200
+            assert "Connection" not in resp.headers  # an ordinary keep-alive answer
+            await resp.read()
+        # The pooled connection is dead on next use.
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            async with session.post("/v1/chat/completions", json={"model": "m", "user": "second"}) as resp:
+                await resp.read()
+        # A new connection works (once).
+        async with session.post("/v1/chat/completions", json={"model": "m", "user": "third"}) as resp:
+            assert resp.status == 200
+    # The dropped request was neither counted nor recorded.
+    assert (await fake.stats())["total"] == 2
+    assert [r["body"]["user"] for r in await fake.requests()] == ["first", "third"]
+    async with httpx.AsyncClient(base_url=fake.url) as client:
+        assert (await client.post("/v1/embeddings", json={"model": "m", "input": "x"})).status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+    # Switched off: connections live on.
+    fake.options.close_idle_keepalive = False
+    async with aiohttp.ClientSession(base_url=fake.url, connector=aiohttp.TCPConnector(limit=1)) as session:
+        for _ in range(3):
+            async with session.post("/v1/embeddings", json={"model": "m", "input": "x"}) as resp:
+                assert resp.status == 200

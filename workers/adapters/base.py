@@ -8,25 +8,55 @@ provider's own 4xx (passed through to the caller), ``ProviderTimeout`` when
 ``timeout_s`` runs out, ``ProviderUnreachable`` for everything else. Adapters never
 rewrite model ids: the body already names the served target (the rewrite from
 the caller's model id happens once, at dispatch).
+
+Upstream headers a caller relies on pass through from an allow-list (:func:`passed_headers`);
+hop-by-hop headers never do.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import msgspec
 
 from dispatcher.config import ProviderConfig
+from dispatcher.endpoints import ENDPOINTS, Endpoint
+from dispatcher.envelope import JSON
 
-ENDPOINTS = ("chat/completions", "completions", "embeddings")
+_PASSED = frozenset({"x-request-id", "request-id", "retry-after"})
+_PASSED_PREFIXES = ("openai-", "x-ratelimit-", "anthropic-")
+
+
+def passed_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The upstream answer's headers that go on to the caller."""
+    out = {}
+    for name, value in headers:
+        low = name.lower()
+        if low in _PASSED or low.startswith(_PASSED_PREFIXES):
+            out[low] = value
+    return out
 
 
 class ProviderCall(msgspec.Struct, frozen=True):
-    endpoint: str  # one of ENDPOINTS
-    body: bytes  # the caller's JSON body, its "model" already set to ``target``
+    endpoint: str  # a name of dispatcher/endpoints.py
+    body: bytes  # the caller's body, its model already set to ``target``
     target: str
     stream: bool
+    method: str = "POST"
+    path: str = ""  # under /v1 when not the endpoint's own (responses/{id}/cancel)
+    content_type: str = JSON
+    headers: Mapping[str, str] = {}
+
+    @property
+    def spec(self) -> Endpoint:
+        return ENDPOINTS[self.endpoint]
+
+    def upstream_path(self, provider_type: str) -> str:
+        if self.path:
+            return f"/v1/{self.path}"
+        return self.spec.upstream_path(provider_type)
 
 
 class ProbeResult(msgspec.Struct, frozen=True):
@@ -36,17 +66,28 @@ class ProbeResult(msgspec.Struct, frozen=True):
     models: list[str] | None = None
     # Models loaded in memory right now, where the runtime says (Ollama's /api/ps).
     loaded: list[str] | None = None
+    # Parallel slots the runtime reports (llama.cpp's /props total_slots, or /slots): a hint
+    # shown beside the configured capacity, never used for dispatch.
+    slots: int | None = None
 
 
 class Sink(Protocol):
-    async def start(self, status: int) -> None:
+    async def start(
+        self, status: int, content_type: str = "text/event-stream", headers: Mapping[str, str] | None = None
+    ) -> None:
         """A streamed answer begins (the provider accepted the request)."""
 
     async def chunks(self, payloads: list[bytes]) -> None:
-        """SSE ``data:`` payloads of a streamed answer, in order, without ``[DONE]``."""
+        """Pieces of a streamed answer, in order: SSE payloads without ``[DONE]`` (typed
+        ones as ``name\\ndata``), or raw bytes (dispatcher/endpoints.py)."""
 
-    async def done(self, status: int, body: bytes, content_type: str) -> None:
+    async def done(
+        self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         """The whole answer of a non-streamed request."""
+
+    def ended(self, upstream_done: bool) -> None:
+        """A stream ended properly; ``upstream_done``: the provider sent ``[DONE]``."""
 
 
 class Adapter(abc.ABC):

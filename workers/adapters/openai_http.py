@@ -8,14 +8,17 @@ names; the caller's credentials never reach a provider. Redirects are not follow
 
 from __future__ import annotations
 
+import errno
 import os
 
 import aiohttp
 
 from dispatcher.config import ProviderConfig
+from dispatcher.endpoints import Endpoint
+from dispatcher.envelope import JSON
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
-from dispatcher.jsonbody import is_json_object
-from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
+from dispatcher.jsonbody import event_type, is_json_object
+from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink, passed_headers
 from workers.adapters.probes import probe_http
 from workers.adapters.sse import SSEParser
 
@@ -43,72 +46,161 @@ class OpenAIHttpAdapter(Adapter):
         assert provider.base_url is not None
         self.root = provider.base_url
         self.session = session
-        self.headers = {"Content-Type": "application/json"}
+        self._fresh: HttpSession | None = None
+        self.headers = {"Content-Type": JSON}
+        self._auth: dict[str, str] = {}
         key = os.environ.get(provider.api_key_env) if provider.api_key_env else None
         if key:
-            self.headers["Authorization"] = f"Bearer {key}"
+            self._auth = {"Authorization": f"Bearer {key}"}
+            self.headers.update(self._auth)
 
     async def call(self, call: ProviderCall, sink: Sink) -> None:
-        url = f"{self.root}/v1/{call.endpoint}"
         timeout = aiohttp.ClientTimeout(total=self.provider.timeout_s)
         try:
-            async with self.session.post(
-                url, data=call.body, headers=self.headers, timeout=timeout, allow_redirects=False
-            ) as resp:
-                await _raise_for_status(resp)
-                if call.stream:
-                    await _relay_stream(resp, sink)
-                else:
-                    body = await _read_capped(resp, MAX_BODY_BYTES)
-                    if not is_json_object(body):
-                        raise ProviderUnreachable("the provider answered with invalid JSON")
-                    await sink.done(resp.status, body, "application/json")
+            resp = await self._send(call, client_timeout=timeout)
+            try:
+                await self._answer(call, resp, sink)
+            finally:
+                resp.release()
         except TimeoutError:
             raise ProviderTimeout(
                 f"provider {self.provider.id} did not answer within {self.provider.timeout_s}s"
             ) from None
         except aiohttp.ClientError as exc:
-            raise ProviderUnreachable(
-                f"provider {self.provider.id} unreachable: {exc.__class__.__name__}: {exc}"
-            ) from None
+            raise ProviderUnreachable(f"provider {self.provider.id} unreachable: {in_words(exc)}") from None
+
+    async def _send(self, call: ProviderCall, *, client_timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """The answer's head. A pooled keep-alive connection the provider closed meanwhile
+        fails before any byte of an answer: that is not the caller's problem, so the call
+        is made once more, on a connection of its own."""
+        url = self.root + call.upstream_path(self.provider.type)
+        headers = self.headers
+        if call.content_type != JSON or call.headers or not call.body:
+            headers = {**self._auth, **call.headers}
+            if call.body:
+                headers["Content-Type"] = call.content_type
+        kwargs = {"data": call.body or None, "headers": headers, "timeout": client_timeout, "allow_redirects": False}
+        try:
+            return await self.session.request(call.method, url, **kwargs)  # type: ignore[arg-type]
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # nothing listens: a second try would fail the same way
+            return await self._fresh_session().request(call.method, url, **kwargs)  # type: ignore[arg-type]
+
+    def _fresh_session(self) -> HttpSession:
+        if self._fresh is None:
+            self._fresh = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._fresh
+
+    async def _answer(self, call: ProviderCall, resp: aiohttp.ClientResponse, sink: Sink) -> None:
+        await _raise_for_status(resp, self.provider.id)
+        headers = passed_headers(resp.headers.items())
+        spec = call.spec
+        if call.stream and spec.stream == "bytes":
+            await sink.start(resp.status, resp.headers.get("Content-Type", "application/octet-stream"), headers)
+            async for data in resp.content.iter_any():
+                await sink.chunks([data])
+            sink.ended(False)
+        elif call.stream:
+            await _relay_stream(resp, sink, spec, headers)
+        else:
+            body = await _read_capped(resp, MAX_BODY_BYTES)
+            content_type = resp.content_type if "Content-Type" in resp.headers else JSON
+            if content_type == JSON and not is_json_object(body):
+                raise ProviderUnreachable("the provider answered with invalid JSON")
+            if content_type != JSON and spec.body != "multipart":
+                # Only the audio endpoints answer anything but JSON (text, srt, vtt).
+                raise ProviderUnreachable(f"the provider answered {content_type}, not JSON")
+            await sink.done(resp.status, body, resp.headers.get("Content-Type", JSON), headers)
 
     async def probe(self, timeout_s: float) -> ProbeResult:
         return await probe_http(self.session, self.root, self.headers, self.provider.type, timeout_s)
 
+    async def aclose(self) -> None:
+        if self._fresh is not None:
+            await self._fresh.close()
 
-async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
+
+def in_words(exc: aiohttp.ClientError) -> str:
+    """What went wrong, as an operator would say it (not a client library's class name)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if exc.os_error.errno == errno.ECONNREFUSED or "Connect call failed" in str(exc.os_error):
+            reason = "connection refused"
+        else:
+            reason = (exc.os_error.strerror or str(exc.os_error)).lower()
+        return f"{reason} ({exc.host}:{exc.port})"
+    if isinstance(exc, aiohttp.ClientOSError):
+        if exc.errno == errno.ECONNRESET:
+            return "connection reset"
+        return (exc.strerror or str(exc)).lower()
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"bad answer ({exc.message})"
+    return str(exc) or exc.__class__.__name__
+
+
+async def _raise_for_status(resp: aiohttp.ClientResponse, provider_id: str) -> None:
     if resp.status < 300:
         return
     body = await _read_capped(resp, _ERROR_BODY_BYTES, truncate=True)
     if 400 <= resp.status < 500:
         # aiohttp reports a missing Content-Type as octet-stream; an OpenAI error is JSON.
-        content_type = resp.content_type if "Content-Type" in resp.headers else "application/json"
-        raise ProviderRejected(resp.status, body, content_type)
-    raise ProviderUnreachable(f"provider answered {resp.status}: {body[:200].decode(errors='replace')}")
+        content_type = resp.content_type if "Content-Type" in resp.headers else JSON
+        raise ProviderRejected(resp.status, body, content_type, passed_headers(resp.headers.items()))
+    raise ProviderUnreachable(
+        f"provider {provider_id} answered {resp.status}: {body[:200].decode(errors='replace')}")
 
 
-async def _relay_stream(resp: aiohttp.ClientResponse, sink: Sink) -> None:
+async def _relay_stream(resp: aiohttp.ClientResponse, sink: Sink, spec: Endpoint, headers: dict[str, str]) -> None:
     if resp.content_type != "text/event-stream":
         sent = resp.content_type if "Content-Type" in resp.headers else "no content type"
         raise ProviderUnreachable(f"expected an event stream, the provider sent {sent}")
-    await sink.start(resp.status)
-    parser = SSEParser()
+    await sink.start(resp.status, "text/event-stream", headers)
+    typed = spec.stream == "typed_sse"
+    parser = SSEParser(typed=typed)
+    last: bytes | None = None
     async for data in resp.content.iter_any():
-        await _relay_payloads(parser.feed(data), sink)
+        payloads = parser.feed(data)
+        if payloads:
+            last = payloads[-1]
+            await _relay_payloads(payloads, sink, typed)
         if parser.done:
-            return
-    await _relay_payloads(parser.close(), sink)
+            break
+    else:
+        payloads = parser.close()
+        if payloads:
+            last = payloads[-1]
+            await _relay_payloads(payloads, sink, typed)
+    if not parser.done and not (typed and last is not None and _is_terminal(last, spec)):
+        # Never an invented end: the caller must be able to tell a cut stream from a whole one.
+        raise ProviderUnreachable("the stream ended early" if last is not None else "the stream ended empty")
+    sink.ended(parser.done)
 
 
-async def _relay_payloads(payloads: list[bytes], sink: Sink) -> None:
+def _is_terminal(payload: bytes, spec: Endpoint) -> bool:
+    """Does a typed event end its stream properly (by its name, or its data's ``type``)?"""
+    name, _, data = payload.partition(b"\n")
+    if name:
+        return name in spec.terminal
+    kind = event_type(data)
+    return kind is not None and kind.encode() in spec.terminal
+
+
+async def _relay_payloads(payloads: list[bytes], sink: Sink, typed: bool) -> None:
     """Pass on the good events; the caller gets every chunk before the first bad one."""
     for i, payload in enumerate(payloads):
-        if not is_json_object(payload):
+        if not is_json_object(payload.partition(b"\n")[2] if typed else payload):
             if i:
                 await sink.chunks(payloads[:i])
             raise ProviderUnreachable("the provider sent a stream event that is not a JSON object")
-    if payloads:
-        await sink.chunks(payloads)
+    await sink.chunks(payloads)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:

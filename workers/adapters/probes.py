@@ -1,13 +1,23 @@
 """Health probes, one cheap check per runtime, each with a short timeout.
 
-| type       | health check                          | models it reports                | loaded models |
-|------------|---------------------------------------|----------------------------------|---------------|
-| vllm       | ``GET /health`` answers 200           | ``GET /v1/models`` (``data[].id``) | -           |
-| sglang     | ``GET /health`` answers 200           | ``GET /v1/models``               | -             |
-| lemonade   | ``GET /api/v1/health`` answers 200    | ``GET /api/v1/models``           | -             |
-| ollama     | ``GET /api/tags`` answers 200         | ``/api/tags`` (``models[].name``)  | ``GET /api/ps`` |
-| openai_api | ``GET /v1/models`` answers 200 (with the provider's key) | ``/v1/models`` | -            |
-| cli        | the executable resolves and runs (``argv[0] --version``) | the configured ``models`` | - |
+| type       | health check                        | models it reports                  | loaded models   | slots hint |
+|------------|-------------------------------------|------------------------------------|-----------------|------------|
+| vllm       | ``GET /health`` answers 200         | ``GET /v1/models`` (``data[].id``) | -               | -          |
+| sglang     | ``GET /health`` answers 200         | ``GET /v1/models``                 | -               | -          |
+| lemonade   | ``GET /api/v1/health`` answers 200  | ``GET /api/v1/models``             | -               | -          |
+| ollama     | ``GET /api/tags`` answers 200       | ``/api/tags`` (``models[].name``)  | ``GET /api/ps`` | -          |
+| llamacpp   | ``GET /health`` answers 200 (503: "loading model") | ``GET /v1/models`` | - | ``/props`` or ``/slots`` |
+| openai_api | ``GET /v1/models`` answers 200 (with the provider's key) | ``/v1/models`` | -              | -          |
+| cli        | the executable resolves and runs (``argv[0] --version``) | the configured ``models`` | - | - |
+
+The slots hint is llama-server's number of parallel slots (its ``--parallel``): the
+``total_slots`` field of ``GET /props``, else the length of the list ``GET /slots`` answers.
+It is shown beside the configured capacity and never used for dispatch. It costs one
+request at most per probe, asked only once the provider is healthy and within the same
+timeout; when that request fails, times out or answers something else, the probe is still
+healthy, without a hint. Which source is asked is remembered per server: ``/props`` first; when it gives no
+``total_slots`` the next probe asks ``/slots`` (which ``--no-slots`` turns off: 501), and
+when that gives nothing either, the one after asks ``/props`` again.
 """
 
 from __future__ import annotations
@@ -45,12 +55,30 @@ def _ollama_names(body: bytes) -> list[str]:
             if m.get("name") or m.get("model")]
 
 
+class _LlamaProps(msgspec.Struct):
+    total_slots: int | None = None
+
+
+def _props_slots(body: bytes) -> int | None:
+    """llama-server's ``GET /props``: its ``total_slots``."""
+    return msgspec.json.decode(body, type=_LlamaProps).total_slots
+
+
+def _slots_length(body: bytes) -> int | None:
+    """llama-server's ``GET /slots``: one object per slot."""
+    return len(msgspec.json.decode(body, type=list[dict[str, object]]))
+
+
 @dataclass(frozen=True)
 class HttpProbe:
     models_path: str
     parse: Callable[[bytes], list[str]]
     health_path: str | None = None
     loaded_path: str | None = None
+    # The reason given when the health endpoint answers 503 (llama-server: still loading).
+    health_503: str | None = None
+    # Where the slots hint may come from, in order of preference (one is asked per probe).
+    slots_from: tuple[tuple[str, Callable[[bytes], int | None]], ...] = ()
 
 
 HTTP_PROBES: dict[str, HttpProbe] = {
@@ -58,18 +86,27 @@ HTTP_PROBES: dict[str, HttpProbe] = {
     "sglang": HttpProbe("/v1/models", _openai_names, health_path="/health"),
     "lemonade": HttpProbe("/api/v1/models", _openai_names, health_path="/api/v1/health"),
     "ollama": HttpProbe("/api/tags", _ollama_names, loaded_path="/api/ps"),
+    "llamacpp": HttpProbe("/v1/models", _openai_names, health_path="/health", health_503="loading model",
+                          slots_from=(("/props", _props_slots), ("/slots", _slots_length))),
     "openai_api": HttpProbe("/v1/models", _openai_names),
 }
 
+# Per server root: the index in ``slots_from`` to ask next. A source that gives no hint
+# hands the next probe to the following one, so a probe never asks more than one of them.
+_slots_source: dict[str, int] = {}
+_MAX_REMEMBERED = 1024
+
 
 class _Failed(Exception):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def _get(session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> bytes:
     async with session.get(url, headers=headers, allow_redirects=False) as resp:
         if resp.status != 200:
-            raise _Failed(f"answered {resp.status}")
+            raise _Failed(f"answered {resp.status}", resp.status)
         body = bytearray()
         async for data in resp.content.iter_any():
             body += data
@@ -83,8 +120,9 @@ async def probe_http(
 ) -> ProbeResult:
     spec = HTTP_PROBES[provider_type]
     path = spec.health_path or spec.models_path
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(deadline):
             if spec.health_path:
                 await _get(session, root + spec.health_path, headers)
             path = spec.models_path
@@ -96,12 +134,43 @@ async def probe_http(
     except TimeoutError:
         return ProbeResult(False, f"GET {path} timed out after {timeout_s:g}s")
     except _Failed as exc:
+        if exc.status == 503 and path == spec.health_path and spec.health_503:
+            return ProbeResult(False, spec.health_503)
         return ProbeResult(False, f"GET {path} {exc}")
     except aiohttp.ClientError as exc:
         return ProbeResult(False, f"GET {path} failed: {exc.__class__.__name__}: {exc}")
     except (msgspec.DecodeError, TypeError, AttributeError):
         return ProbeResult(False, f"GET {path} answered something that is not a model list")
-    return ProbeResult(True, "", models, loaded)
+    slots = await _slots_hint(session, root, headers, spec, deadline) if spec.slots_from else None
+    return ProbeResult(True, "", models, loaded, slots)
+
+
+async def _slots_hint(
+    session: aiohttp.ClientSession, root: str, headers: dict[str, str], spec: HttpProbe, deadline: float
+) -> int | None:
+    """One request, to the source remembered for ``root``, within what is left of the probe's
+    timeout. Never fails the probe: None when there is no positive count. A source that
+    answered without one (another status, another shape, no ``total_slots``) hands the next
+    probe to the next source; one that timed out or could not be reached is asked again."""
+    index = _slots_source.get(root, 0) % len(spec.slots_from)
+    path, parse = spec.slots_from[index]
+    slots: int | None = None
+    answered = True
+    try:
+        async with asyncio.timeout_at(deadline):
+            slots = parse(await _get(session, root + path, headers))
+    except (TimeoutError, aiohttp.ClientError):
+        answered = False
+    except (_Failed, msgspec.DecodeError, TypeError):
+        pass
+    if slots is not None and slots <= 0:
+        slots = None
+    if slots is None and answered:
+        index = (index + 1) % len(spec.slots_from)
+    if root not in _slots_source and len(_slots_source) >= _MAX_REMEMBERED:
+        _slots_source.clear()
+    _slots_source[root] = index
+    return slots
 
 
 async def probe_command(argv0: str, env: dict[str, str], timeout_s: float) -> ProbeResult:

@@ -1,7 +1,9 @@
 """Incremental Server-Sent Events parsing of a provider's streamed answer.
 
 Only ``data:`` fields matter to an OpenAI-style stream; an event's data lines are
-joined with newlines as the SSE spec says. Lines may end in ``\\n``, ``\\r\\n`` or
+joined with newlines as the SSE spec says. A *typed* stream (Responses, Messages: events
+with ``event:`` lines) keeps each event's name: its payloads are ``name + "\n" + data``
+(``dispatcher/endpoints.py``). Lines may end in ``\\n``, ``\\r\\n`` or
 ``\\r``; a leading byte-order mark is dropped. ``[DONE]`` ends the stream.
 """
 
@@ -17,7 +19,9 @@ _FIELD_SLACK = len(b"data: ")
 
 
 class SSEParser:
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES, typed: bool = False) -> None:
+        self._typed = typed
+        self._name = b""
         self._buf = bytearray()
         self._searched = 0  # bytes of _buf already known to hold no line end
         self._data: list[bytes] = []
@@ -73,7 +77,8 @@ class SSEParser:
                 if payload == DONE:
                     self.done = True
                     return True
-                out.append(payload)
+                out.append(self._name + b"\n" + payload if self._typed else payload)
+            self._name = b""
             return False
         if line.startswith(b"data:"):
             value = line[5:]
@@ -83,7 +88,9 @@ class SSEParser:
             self._data_size += len(value)
             if self._data_size > self._max:
                 raise ProviderUnreachable("the provider sent an oversized stream event")
-        # Comments (":"), "event:", "id:" and "retry:" carry nothing for OpenAI streams.
+        elif self._typed and line.startswith(b"event:"):
+            self._name = line[6:].strip()
+        # Comments (":"), "id:" and "retry:" carry nothing for OpenAI streams.
         return False
 
     def close(self) -> list[bytes]:

@@ -11,6 +11,7 @@ import signal
 import stat
 import sys
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +58,25 @@ class RecordingSink:
         self.answer: tuple[int, bytes, str] | None = None
         self.got_chunk = anyio.Event()
 
-    async def start(self, status: int) -> None:
+    async def start(self, status: int, content_type: str = "text/event-stream",
+                    headers: Mapping[str, str] | None = None) -> None:
         self.events.append("start")
         self.started.append(status)
+        self.headers = dict(headers or {})
 
     async def chunks(self, payloads: list[bytes]) -> None:
         self.events.append("chunks")
         self.payloads.extend(payloads)
         self.got_chunk.set()
 
-    async def done(self, status: int, body: bytes, content_type: str) -> None:
+    async def done(self, status: int, body: bytes, content_type: str,
+                   headers: Mapping[str, str] | None = None) -> None:
         self.events.append("done")
         self.answer = (status, body, content_type)
+        self.headers = dict(headers or {})
+
+    def ended(self, upstream_done: bool) -> None:
+        self.events.append("ended" if upstream_done else "ended without [DONE]")
 
     @property
     def objects(self) -> list[dict[str, Any]]:

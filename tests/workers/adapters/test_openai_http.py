@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnr
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
 from workers.adapters import openai_http
-from workers.adapters.base import ProbeResult, ProviderCall
+from workers.adapters.base import ProbeResult, ProviderCall, passed_headers
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
 
 pytestmark = pytest.mark.anyio
@@ -45,9 +45,11 @@ class RecordingSink:
         self.got_chunk = asyncio.Event()
         self._on_first_chunk = on_first_chunk
 
-    async def start(self, status: int) -> None:
+    async def start(self, status: int, content_type: str = "text/event-stream",
+                    headers: Mapping[str, str] | None = None) -> None:
         self.events.append("start")
         self.started.append(status)
+        self.headers = dict(headers or {})
 
     async def chunks(self, payloads: list[bytes]) -> None:
         self.events.append("chunks")
@@ -57,9 +59,14 @@ class RecordingSink:
             if self._on_first_chunk is not None:
                 await self._on_first_chunk()
 
-    async def done(self, status: int, body: bytes, content_type: str) -> None:
+    async def done(self, status: int, body: bytes, content_type: str,
+                   headers: Mapping[str, str] | None = None) -> None:
         self.events.append("done")
         self.answer = (status, body, content_type)
+        self.headers = dict(headers or {})
+
+    def ended(self, upstream_done: bool) -> None:
+        self.events.append("ended" if upstream_done else "ended without [DONE]")
 
     @property
     def objects(self) -> list[dict[str, Any]]:
@@ -334,7 +341,8 @@ async def test_stream_relays_chunks_in_order_without_done(fake: Fake, session: a
     await adapter.call(chat(stream=True), sink)
     assert sink.events[0] == "start"
     assert sink.started == [200]
-    assert set(sink.events[1:]) == {"chunks"}
+    assert set(sink.events[1:-1]) == {"chunks"}
+    assert sink.events[-1] == "ended"
     assert b"[DONE]" not in sink.payloads
     objects = sink.objects
     assert all(o["object"] == "chat.completion.chunk" and o["model"] == MODEL for o in objects)
@@ -390,9 +398,20 @@ async def test_stream_without_done_and_without_final_blank_line(session: aiohttp
     response = raw_response(b"200 OK", {"Content-Type": "text/event-stream; charset=utf-8"}, sse, length=False)
     async with RawServer(response) as server:
         sink = RecordingSink()
-        await OpenAIHttpAdapter(provider(server.url), session).call(chat(stream=True), sink)
+        # Every event reaches the caller, and then an error: a stream without [DONE] was cut,
+        # and no [DONE] is invented for it.
+        with pytest.raises(ProviderUnreachable, match="the stream ended early"):
+            await OpenAIHttpAdapter(provider(server.url), session).call(chat(stream=True), sink)
     assert sink.started == [200]
     assert sink.objects == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert "ended" not in sink.events
+
+
+async def test_empty_stream_is_an_error_not_an_answer(session: aiohttp.ClientSession) -> None:
+    response = raw_response(b"200 OK", {"Content-Type": "text/event-stream"}, b"", length=False)
+    async with RawServer(response) as server:
+        with pytest.raises(ProviderUnreachable, match="the stream ended empty"):
+            await OpenAIHttpAdapter(provider(server.url), session).call(chat(stream=True), RecordingSink())
 
 
 async def test_stream_stops_at_done(session: aiohttp.ClientSession) -> None:
@@ -722,7 +741,7 @@ async def test_redirects_are_not_followed(fake: Fake, session: aiohttp.ClientSes
             with pytest.raises(ProviderUnreachable) as info:
                 await adapter.call(chat(stream=stream), sink)
             assert not isinstance(info.value, ProviderRejected)
-            assert f"provider answered {status}" in str(info.value)
+            assert f"provider p answered {status}" in str(info.value)
             assert sink.events == []
         probe = await adapter.probe(5.0)
         assert not probe.healthy
@@ -881,3 +900,105 @@ async def test_aclose_is_harmless(fake: Fake, session: aiohttp.ClientSession) ->
     adapter = OpenAIHttpAdapter(provider(fake.url), session)
     await adapter.aclose()
     assert not session.closed
+
+
+# --- the other endpoints, and relaying faithfully ------------------------------------------------------
+
+
+def call_of(endpoint: str, payload: dict[str, Any], *, stream: bool = False, **kw: Any) -> ProviderCall:
+    body = {"model": MODEL, **payload, **({"stream": True} if stream else {})}
+    return ProviderCall(endpoint, json.dumps(body).encode(), MODEL, stream, **kw)
+
+
+async def test_a_pooled_connection_the_provider_closed_is_retried_on_a_fresh_one(
+    fake: Fake, session: aiohttp.ClientSession
+) -> None:
+    # The fake closes each keep-alive connection once idle; a pooled connection is then dead on
+    # its next use, before any byte of an answer: the caller must not see that.
+    fake.options.close_idle_keepalive = True
+    adapter = OpenAIHttpAdapter(provider(fake.url), session)
+    try:
+        for _ in range(6):
+            for stream in (False, True):
+                await adapter.call(chat(stream=stream), RecordingSink())
+                await asyncio.sleep(0.05)  # let the fake close the idle connection
+    finally:
+        await adapter.aclose()
+
+
+async def test_provider_headers_pass_from_an_allow_list(fake: Fake, session: aiohttp.ClientSession) -> None:
+    adapter = OpenAIHttpAdapter(provider(fake.url), session)
+    for stream in (False, True):
+        sink = RecordingSink()
+        await adapter.call(chat(stream=stream), sink)
+        assert "x-request-id" in sink.headers
+        assert "openai-processing-ms" in sink.headers
+        assert sink.headers["x-ratelimit-remaining-requests"] == "99"
+        assert not {"content-type", "content-length", "connection", "keep-alive", "date", "server"} & set(sink.headers)
+
+
+def test_the_allow_list() -> None:
+    got = passed_headers([("X-Request-Id", "a"), ("Retry-After", "3"), ("OpenAI-Model", "x"),
+                          ("x-ratelimit-limit-tokens", "9"), ("anthropic-ratelimit-requests-remaining", "1"),
+                          ("request-id", "r"), ("Connection", "keep-alive"), ("Transfer-Encoding", "chunked"),
+                          ("Set-Cookie", "s=1"), ("Server", "x")])
+    assert got == {"x-request-id": "a", "retry-after": "3", "openai-model": "x", "x-ratelimit-limit-tokens": "9",
+                   "anthropic-ratelimit-requests-remaining": "1", "request-id": "r"}
+
+
+async def test_a_typed_stream_keeps_event_names_and_ends_with_its_terminal_event(
+    fake: Fake, session: aiohttp.ClientSession
+) -> None:
+    fake.options.tokens = 3
+    sink = RecordingSink()
+    await OpenAIHttpAdapter(provider(fake.url), session).call(call_of("responses", {"input": "hi"}, stream=True), sink)
+    names = [p.partition(b"\n")[0] for p in sink.payloads]
+    assert names[0] == b"response.created"
+    assert names[-1] == b"response.completed"
+    assert names.count(b"response.output_text.delta") == 3
+    assert sink.events[-1] == "ended without [DONE]"  # Responses streams have no [DONE]
+    created = json.loads(sink.payloads[0].partition(b"\n")[2])
+    assert created["response"]["model"] == MODEL
+
+
+async def test_anthropic_headers_are_forwarded(fake: Fake, session: aiohttp.ClientSession) -> None:
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "tools-2024"}
+    sink = RecordingSink()
+    call = call_of("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}, headers=headers)
+    await OpenAIHttpAdapter(provider(fake.url), session).call(call, sink)
+    assert sink.json()["type"] == "message"
+    assert sink.headers.get("anthropic-ratelimit-requests-remaining") == "99"
+    assert sink.headers.get("request-id", "").startswith("req_")
+
+
+async def test_tokenize_goes_to_the_runtimes_root_for_vllm(fake: Fake, session: aiohttp.ClientSession) -> None:
+    sink = RecordingSink()
+    await OpenAIHttpAdapter(provider(fake.url), session).call(call_of("tokenize", {"prompt": "a b c"}), sink)
+    assert sink.json()["count"] == 3
+    assert (await fake.requests())[-1]["path"] == "/tokenize"
+
+
+async def test_a_speech_stream_arrives_as_bytes_in_pieces(fake: Fake, session: aiohttp.ClientSession) -> None:
+    fake.options.tokens = 4
+    fake.options.token_interval_ms = 20
+    sink = RecordingSink()
+    call = call_of("audio/speech", {"input": "hello there", "voice": "alloy", "response_format": "wav"}, stream=True)
+    await OpenAIHttpAdapter(provider(fake.url), session).call(call, sink)
+    audio = b"".join(sink.payloads)
+    assert audio.startswith(b"RIFF")
+    assert len(sink.payloads) > 1
+    assert sink.events[-1] == "ended without [DONE]"
+
+
+async def test_a_transcription_as_text_is_passed_as_text(fake: Fake, session: aiohttp.ClientSession) -> None:
+    ct = "multipart/form-data; boundary=b0undary"
+    form = (b'--b0undary\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + MODEL.encode() +
+            b'\r\n--b0undary\r\nContent-Disposition: form-data; name="response_format"\r\n\r\ntext'
+            b'\r\n--b0undary\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\n" + bytes(range(256)) * 4 + b"\r\n--b0undary--\r\n")
+    sink = RecordingSink()
+    call = ProviderCall("audio/transcriptions", form, MODEL, False, content_type=ct)
+    await OpenAIHttpAdapter(provider(fake.url), session).call(call, sink)
+    assert sink.answer is not None
+    assert sink.answer[2].startswith("text/plain")
+    assert b"1024 bytes" in sink.answer[1]

@@ -17,7 +17,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from iop.redis_server import free_port
 from workers.adapters import probes
 from workers.adapters.base import ProbeResult
 from workers.adapters.cli import ENV_PASSTHROUGH, CliAdapter
+from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
 from workers.adapters.probes import HTTP_PROBES
 
@@ -44,14 +45,15 @@ MODELS = ["served-model", "other-model"]
 EVENTUALLY_S = 10.0
 KEY_ENV = "IOP_TEST_PROBE_KEY"
 
-TYPES = ["vllm", "sglang", "lemonade", "ollama", "openai_api"]
+TYPES = ["vllm", "sglang", "lemonade", "ollama", "llamacpp", "openai_api"]
 
-# What each runtime is asked, in order, on a healthy probe.
+# What each runtime is asked, in order, on a healthy probe (llamacpp: and its slots hint).
 EXPECTED_PATHS = {
     "vllm": ["/health", "/v1/models"],
     "sglang": ["/health", "/v1/models"],
     "lemonade": ["/api/v1/health", "/api/v1/models"],
     "ollama": ["/api/tags", "/api/ps"],
+    "llamacpp": ["/health", "/v1/models", "/props"],
     "openai_api": ["/v1/models"],
 }
 # The endpoint that lists the models (ollama: /api/tags, which is also its health check).
@@ -60,12 +62,22 @@ MODELS_PATH = {
     "sglang": "/v1/models",
     "lemonade": "/api/v1/models",
     "ollama": "/api/tags",
+    "llamacpp": "/v1/models",
     "openai_api": "/v1/models",
 }
+# The endpoints whose failure makes the probe fail (the slots hint never does).
+REQUIRED_PATHS = {t: [p for p in paths if p not in ("/props", "/slots")] for t, paths in EXPECTED_PATHS.items()}
+# The slots hint the Runtime below reports (llama-server's /props total_slots).
+RUNTIME_SLOTS = 4
 
 
 def first_path(provider_type: str) -> str:
     return EXPECTED_PATHS[provider_type][0]
+
+
+def unhealthy_reason(provider_type: str) -> str:
+    """What a probe says when the runtime's first endpoint answers 503."""
+    return "loading model" if provider_type == "llamacpp" else f"GET {first_path(provider_type)} answered 503"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -75,6 +87,15 @@ def http_provider(provider_type: str, base_url: str, api_key_env: str | None = N
     return ProviderConfig(
         id="p", type=provider_type, base_url=base_url, models=["configured"], api_key_env=api_key_env
     )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_slot_sources() -> Iterator[None]:
+    """Which slots source each server root gets next is remembered across probes; a test
+    starts with none remembered (ports are reused between tests)."""
+    probes._slots_source.clear()
+    yield
+    probes._slots_source.clear()
 
 
 @pytest.fixture
@@ -114,6 +135,54 @@ def ollama_list(names: list[str]) -> dict[str, object]:
     return {"models": [{"name": n, "model": n, "size": 0} for n in names]}
 
 
+def llama_models(names: list[str]) -> dict[str, object]:
+    """llama-server's ``GET /v1/models``: an Ollama-style ``models`` list beside the OpenAI ``data``."""
+    return {
+        "models": [{"name": n, "model": n, "modified_at": "", "size": "", "digest": "", "type": "model",
+                    "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                    "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                "parameter_size": "", "quantization_level": ""}} for n in names],
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": 1735689600, "owned_by": "llamacpp",
+                  "meta": {"vocab_type": 2, "n_vocab": 151936, "n_ctx_train": 40960, "n_embd": 2560,
+                           "n_params": 4022468096, "size": 2497280256}} for n in names],
+    }
+
+
+def llama_slot(slot_id: int, n_ctx: int = 8192, processing: bool = False) -> dict[str, object]:
+    """One entry of llama-server's ``GET /slots`` (and its /props ``default_generation_settings``)."""
+    return {
+        "id": slot_id, "id_task": 135 if processing else -1, "n_ctx": n_ctx, "speculative": False,
+        "is_processing": processing,
+        "params": {"n_predict": -1, "seed": 4294967295, "temperature": 0.800000011920929, "top_k": 40,
+                   "top_p": 0.949999988079071, "min_p": 0.05000000074505806, "repeat_last_n": 64,
+                   "repeat_penalty": 1.0, "stop": [], "max_tokens": -1, "n_keep": 0, "ignore_eos": False,
+                   "stream": True, "n_probs": 0, "chat_format": "Content-only", "reasoning_format": "none",
+                   "samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+                   "speculative.n_max": 16, "speculative.n_min": 0, "speculative.p_min": 0.75,
+                   "timings_per_token": False, "lora": []},
+        "next_token": {"has_next_token": True, "has_new_line": False, "n_remain": -1, "n_decoded": 0},
+    }
+
+
+def llama_props(total_slots: int | None, n_ctx: int = 8192) -> dict[str, object]:
+    """llama-server's ``GET /props`` (``total_slots`` left out: a build that predates it)."""
+    props: dict[str, object] = {
+        "default_generation_settings": {**llama_slot(0, n_ctx), "prompt": ""},
+        "model_path": "/models/Qwen3-4B-Q4_K_M.gguf",
+        "chat_template": "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
+                         "{{ message.content + '<|im_end|>\\n' }}{%- endfor %}",
+        "chat_template_caps": {"supports_tools": True, "supports_system_role": True},
+        "modalities": {"vision": False, "audio": False},
+        "media_marker": "<__media__>",
+        "build_info": "b6500-2dd8a1d6",
+        "is_sleeping": False,
+    }
+    if total_slots is not None:
+        props["total_slots"] = total_slots
+    return props
+
+
 @dataclass
 class Runtime:
     """An aiohttp app imitating every runtime's probe endpoints; records each request.
@@ -123,6 +192,7 @@ class Runtime:
 
     models: list[str] = field(default_factory=lambda: list(MODELS))
     loaded: list[str] = field(default_factory=lambda: ["served-model"])
+    slots: int = RUNTIME_SLOTS
     overrides: dict[str, Handler] = field(default_factory=dict)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -148,6 +218,10 @@ class Runtime:
             return web.json_response(ollama_list(self.models))
         if path == "/api/ps":
             return web.json_response(ollama_list(self.loaded))
+        if path == "/props":
+            return web.json_response(llama_props(self.slots))
+        if path == "/slots":
+            return web.json_response([llama_slot(i) for i in range(self.slots)])
         return web.json_response({"error": "not found"}, status=404)
 
     async def hold(self, request: web.Request) -> web.StreamResponse:
@@ -241,7 +315,7 @@ def _table_rows() -> dict[str, list[str]]:
     rows: dict[str, list[str]] = {}
     for line in doc.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and not set(cells[0]) <= set("-") and cells[0] != "type":
+        if len(cells) == 5 and not set(cells[0]) <= set("-") and cells[0] != "type":
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -255,13 +329,18 @@ def test_docstring_table_matches_http_probes() -> None:
     assert set(rows) == set(HTTP_PROBES) | {"cli"}
     assert set(HTTP_PROBES) == set(HTTP_TYPES) == set(TYPES)
     for provider_type, spec in HTTP_PROBES.items():
-        health, models, loaded = rows[provider_type]
+        health, models, loaded, slots = rows[provider_type]
         # The health column names the health endpoint, or the model list when there is none.
         assert _paths(health) == [spec.health_path or spec.models_path], provider_type
         assert _paths(models) == [spec.models_path], provider_type
         assert _paths(loaded) == ([spec.loaded_path] if spec.loaded_path else []), provider_type
         if not spec.loaded_path:
             assert loaded == "-", provider_type
+        assert _paths(slots) == [path for path, _ in spec.slots_from], provider_type
+        if not spec.slots_from:
+            assert slots == "-", provider_type
+        if spec.health_503:
+            assert f'503: "{spec.health_503}"' in health, provider_type
     # cli: no HTTP endpoints at all.
     assert all(not _paths(cell) for cell in rows["cli"])
 
@@ -270,7 +349,9 @@ def test_expected_paths_match_http_probes() -> None:
     """The order the tests below expect is the table's: health, model list, loaded list."""
     for provider_type, spec in HTTP_PROBES.items():
         expected = [p for p in (spec.health_path, spec.models_path, spec.loaded_path) if p]
-        assert EXPECTED_PATHS[provider_type] == expected
+        assert REQUIRED_PATHS[provider_type] == expected
+        # The slots hint comes last: its first source, on a server that has not been probed yet.
+        assert EXPECTED_PATHS[provider_type] == expected + [path for path, _ in spec.slots_from[:1]]
         assert MODELS_PATH[provider_type] == spec.models_path
 
 
@@ -304,6 +385,7 @@ async def test_endpoints_in_order(provider_type: str, runtime: Runtime, session:
     assert result.healthy, result.reason
     assert runtime.seen == [("GET", p, None) for p in EXPECTED_PATHS[provider_type]]
     assert result.models == MODELS
+    assert result.slots == (RUNTIME_SLOTS if provider_type == "llamacpp" else None)
 
 
 async def test_ollama_loaded_comes_from_api_ps(runtime: Runtime, session: aiohttp.ClientSession) -> None:
@@ -343,7 +425,7 @@ async def test_openai_list_entries_without_id_are_skipped(
 async def test_unhealthy_fake(provider_type: str, fake: Fake, session: aiohttp.ClientSession) -> None:
     fake.options.healthy = False
     result = await probe(provider_type, fake.url, session)
-    assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered 503")
+    assert result == ProbeResult(False, unhealthy_reason(provider_type))
     assert result.models is None
     assert result.loaded is None
 
@@ -415,7 +497,7 @@ async def test_model_list_error_status_names_the_model_path(
     assert result == ProbeResult(False, f"GET {path} answered 500")
 
 
-@pytest.mark.parametrize("provider_type", ["vllm", "sglang", "lemonade"])
+@pytest.mark.parametrize("provider_type", ["vllm", "sglang", "lemonade", "llamacpp"])
 async def test_health_status_other_than_200_is_unhealthy(
     provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
 ) -> None:
@@ -482,14 +564,15 @@ async def test_timeout_of_a_silent_server(provider_type: str, session: aiohttp.C
 async def test_timeout_names_the_endpoint_that_hangs(
     provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
 ) -> None:
-    # The last endpoint of each probe hangs, after the earlier ones answered.
-    last = EXPECTED_PATHS[provider_type][-1]
+    # The last endpoint the probe needs hangs, after the earlier ones answered (a hanging slots
+    # hint of llamacpp does not fail the probe: test_llamacpp_hanging_hint_is_no_hint).
+    last = REQUIRED_PATHS[provider_type][-1]
     runtime.overrides[last] = runtime.hold
     started = time.monotonic()
     result = await probe(provider_type, runtime.url, session, timeout_s=0.5)
     assert time.monotonic() - started < EVENTUALLY_S
     assert result == ProbeResult(False, f"GET {last} timed out after 0.5s")
-    assert runtime.paths == EXPECTED_PATHS[provider_type]
+    assert runtime.paths == REQUIRED_PATHS[provider_type]
 
 
 @pytest.mark.parametrize("provider_type", TYPES)
@@ -551,6 +634,211 @@ async def test_redirects_are_not_followed(
         result = await probe(provider_type, url, session)
     assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered {status}")
     assert runtime.seen == []  # the redirect's target was never asked
+
+
+# --------------------------------------------------------------------------- llama.cpp (llama-server)
+
+
+def status(code: int, body: dict[str, object] | None = None) -> Handler:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response(body or {"error": {"code": code, "message": "x", "type": "x"}}, status=code)
+
+    return answer
+
+
+def json_answer(body: object) -> Handler:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response(body)
+
+    return answer
+
+
+async def test_llamacpp_loading_model(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    # What llama-server answers on /health until its model is loaded.
+    runtime.overrides["/health"] = status(503, {"error": {"code": 503, "message": "Loading model",
+                                                          "type": "unavailable_error"}})
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(False, "loading model")
+    assert runtime.paths == ["/health"]  # no model list, no slots hint
+    # Any other status is named as it is.
+    runtime.overrides["/health"] = status(500)
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(False, "GET /health answered 500")
+    # 503 means "loading" on /health only.
+    runtime.overrides.pop("/health")
+    runtime.overrides["/v1/models"] = status(503)
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(False, "GET /v1/models answered 503")
+
+
+@pytest.mark.parametrize("provider_type", ["vllm", "sglang"])
+async def test_503_on_health_is_not_loading_for_other_runtimes(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    runtime.overrides["/health"] = status(503)
+    assert await probe(provider_type, runtime.url, session) == ProbeResult(False, "GET /health answered 503")
+
+
+async def test_llamacpp_healthy_with_its_real_answers(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    runtime.overrides["/health"] = json_answer({"status": "ok"})
+    runtime.overrides["/v1/models"] = json_answer(llama_models(["qwen3-4b"]))
+    runtime.overrides["/props"] = json_answer(llama_props(8, n_ctx=32768))
+    result = await probe("llamacpp", runtime.url, session)
+    assert result == ProbeResult(True, "", ["qwen3-4b"], None, 8)
+    assert runtime.paths == ["/health", "/v1/models", "/props"]
+    # Every probe asks the same three (one request for the hint, at most).
+    runtime.seen.clear()
+    assert (await probe("llamacpp", runtime.url, session)).slots == 8
+    assert runtime.paths == ["/health", "/v1/models", "/props"]
+
+
+async def test_llamacpp_props_without_total_slots_falls_back_to_slots(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    runtime.overrides["/props"] = json_answer(llama_props(None))
+    runtime.overrides["/slots"] = json_answer([llama_slot(0, processing=True), llama_slot(1), llama_slot(2)])
+    first = await probe("llamacpp", runtime.url, session)
+    # This probe had its one hint request already: no hint yet, still healthy.
+    assert first == ProbeResult(True, "", MODELS, None, None)
+    assert runtime.paths == ["/health", "/v1/models", "/props"]
+    for _ in range(2):  # the next ones ask /slots, and keep to it
+        runtime.seen.clear()
+        assert (await probe("llamacpp", runtime.url, session)).slots == 3
+        assert runtime.paths == ["/health", "/v1/models", "/slots"]
+
+
+@pytest.mark.parametrize("props_status", [404, 500])
+@pytest.mark.parametrize("slots_status", [501, 404])
+async def test_llamacpp_without_any_source_has_no_hint(
+    props_status: int, slots_status: int, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    # --no-slots: llama-server answers /slots with 501 ("This server does not support slots endpoint.").
+    runtime.overrides["/props"] = status(props_status)
+    runtime.overrides["/slots"] = status(slots_status, {"error": {
+        "code": 501, "message": "This server does not support slots endpoint.", "type": "not_supported_error"}})
+    asked = []
+    for _ in range(4):
+        runtime.seen.clear()
+        result = await probe("llamacpp", runtime.url, session)
+        assert result == ProbeResult(True, "", MODELS, None, None)
+        assert runtime.paths[:2] == ["/health", "/v1/models"]
+        assert len(runtime.paths) == 3  # one hint request per probe, never more
+        asked.append(runtime.paths[2])
+    # Each source in turn, so that a server restarted with one of them is noticed.
+    assert asked == ["/props", "/slots", "/props", "/slots"]
+
+
+async def test_llamacpp_props_found_again_after_slots_is_turned_off(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    runtime.overrides["/props"] = json_answer(llama_props(None))
+    assert (await probe("llamacpp", runtime.url, session)).slots is None
+    assert (await probe("llamacpp", runtime.url, session)).slots == RUNTIME_SLOTS  # from /slots
+    # Restarted: a newer build with total_slots, and --no-slots.
+    runtime.overrides["/props"] = json_answer(llama_props(2))
+    runtime.overrides["/slots"] = status(501)
+    assert (await probe("llamacpp", runtime.url, session)).slots is None
+    runtime.seen.clear()
+    assert (await probe("llamacpp", runtime.url, session)).slots == 2
+    assert runtime.paths[-1] == "/props"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>", b"[1, 2]", b'{"total_slots": "four"}', b'{"total_slots": 0}', b'{"total_slots": -1}',
+     b'{"total_slots": 2.5}', b"null"],
+)
+async def test_llamacpp_props_garbage_is_no_hint(
+    body: bytes, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=body, content_type="application/json")
+
+    runtime.overrides["/props"] = garbage
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(True, "", MODELS, None, None)
+    # The next probe tries /slots instead.
+    assert (await probe("llamacpp", runtime.url, session)).slots == RUNTIME_SLOTS
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"slots": []}', b"[1, 2]", b"not json"])
+async def test_llamacpp_slots_garbage_is_no_hint(
+    body: bytes, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=body, content_type="application/json")
+
+    runtime.overrides["/props"] = status(404)
+    runtime.overrides["/slots"] = garbage
+    for _ in range(3):
+        assert await probe("llamacpp", runtime.url, session) == ProbeResult(True, "", MODELS, None, None)
+
+
+async def test_llamacpp_hanging_hint_is_no_hint(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    runtime.overrides["/props"] = runtime.hold
+    started = time.monotonic()
+    result = await probe("llamacpp", runtime.url, session, timeout_s=0.5)
+    elapsed = time.monotonic() - started
+    # Healthy (health and models answered), without a hint, within the probe's own timeout.
+    assert result == ProbeResult(True, "", MODELS, None, None)
+    assert elapsed < EVENTUALLY_S
+    assert runtime.paths == ["/health", "/v1/models", "/props"]
+    # A source that did not answer is asked again (it has not said it has nothing).
+    runtime.overrides.pop("/props")
+    runtime.seen.clear()
+    assert (await probe("llamacpp", runtime.url, session, timeout_s=0.5)).slots == RUNTIME_SLOTS
+    assert runtime.paths[-1] == "/props"
+
+
+async def test_llamacpp_hint_shares_the_probe_timeout(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)
+        return web.json_response(llama_models(MODELS))
+
+    # The model list takes most of the timeout: the hint gets only what is left.
+    runtime.overrides["/v1/models"] = slow
+    runtime.overrides["/props"] = runtime.hold
+    started = time.monotonic()
+    result = await probe("llamacpp", runtime.url, session, timeout_s=0.6)
+    assert result == ProbeResult(True, "", MODELS, None, None)
+    assert time.monotonic() - started < 0.6 + 1.0  # not 0.3 + a fresh 0.6
+
+
+async def test_llamacpp_slot_sources_are_remembered_per_server(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    runtime.overrides["/props"] = status(404)
+    assert (await probe("llamacpp", runtime.url, session)).slots is None  # this server: /slots next
+    other = Runtime(slots=6)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", other.handle)
+    async with serve(app) as url:
+        other.url = url
+        assert (await probe("llamacpp", url, session)).slots == 6
+        assert other.paths[-1] == "/props"
+    assert (await probe("llamacpp", runtime.url, session)).slots == RUNTIME_SLOTS
+    assert runtime.paths[-1] == "/slots"
+
+
+async def test_llamacpp_hint_carries_the_key(
+    runtime: Runtime, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama-server --api-key: /health and /v1/models are public, /props and /slots are not.
+    async def props(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer sk-llama":
+            return web.json_response(
+                {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}, status=401)
+        return web.json_response(llama_props(3))
+
+    runtime.overrides["/props"] = props
+    monkeypatch.setenv(KEY_ENV, "sk-llama")
+    assert (await probe("llamacpp", runtime.url, session, api_key_env=KEY_ENV)).slots == 3
+    monkeypatch.delenv(KEY_ENV)
+    assert await probe("llamacpp", runtime.url, session, api_key_env=KEY_ENV) == ProbeResult(
+        True, "", MODELS, None, None)
+
+
+async def test_llamacpp_uses_the_openai_http_adapter(fake: Fake, session: aiohttp.ClientSession) -> None:
+    adapter = make_adapter(http_provider("llamacpp", fake.url), session)
+    assert isinstance(adapter, OpenAIHttpAdapter)
+    # The project's fake has neither /props nor /slots: healthy, no hint.
+    assert await adapter.probe(5.0) == ProbeResult(True, "", list(MODELS), None, None)
 
 
 # --------------------------------------------------------------------------- cli

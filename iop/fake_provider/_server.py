@@ -1,40 +1,4 @@
-"""A fake OpenAI-compatible upstream: the provider of the tests, the demo (``iop up``) and the benchmarks.
-
-``iop fake-provider`` runs it from the command line; tests start it in-process with ``start``.
-
-It answers ``/v1/chat/completions``, ``/v1/completions`` (JSON and SSE streams),
-``/v1/embeddings`` and ``/v1/models`` the way an OpenAI-compatible server does, imitates
-the health/probe endpoints of vLLM, SGLang, Ollama and Lemonade, and can be told at run
-time (``POST /_fake/control``) to be slow, to fail, to hang, to answer garbage or to
-look unhealthy. ``/_fake/requests`` and ``/_fake/stats`` let tests see what it received
-and how many requests were in flight at once.
-
-It is built to be cheap per request, so that benchmarks measure the gateway and not
-the fake: constant byte strings are encoded once, answers are assembled by byte
-concatenation around the JSON-encoded ``model`` echo, nothing is logged per request,
-and a stream with no ``token_interval_ms`` pause is written in one piece.
-
-Order of the checks on a ``/v1`` POST: the request is recorded (even a malformed one,
-with ``body: null``), then ``api_key`` (401), the ``fake`` overrides when enabled (400),
-``hang``, ``delay_ms``, ``fail_status``, ``garbage``, and only then the body itself is
-validated (400).
-
-``hang`` holds a request until the client goes away, the server shuts down (503), or
-``hang`` is switched off again, after which the request is answered normally.
-
-Counters of ``/_fake/stats``: ``total`` POSTs received, ``completed`` ones answered
-(whatever the status), ``disconnected`` ones whose client went away first (also a request
-still held when the server stops); ``total == completed + disconnected + in_flight``.
-``POST /_fake/stats/reset`` zeroes them, except ``in_flight`` (``max_in_flight`` restarts from it).
-
-Two more test hooks, both off until ``POST /_fake/hooks`` switches them on (so they cost
-nothing otherwise): ``track_executions`` logs every ``/v1`` POST in ``/_fake/executions``
-with its marker (the body's ``user`` string), the caller's TCP port, its start and end
-(wall-clock seconds) and its outcome (``running``, ``completed``, ``disconnected`` or ``failed``), so a test can
-count how often the provider ran each request; ``body_overrides`` lets a request carry a
-``fake`` object (``delay_ms``, ``tokens``, ``token_interval_ms``) that replaces those
-options for that request alone.
-"""
+"""The fake provider's server: the request pipeline, chat/completions/embeddings, probes, test hooks."""
 
 from __future__ import annotations
 
@@ -44,166 +8,64 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import secrets
 import signal
 import struct
 import time
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 
-__all__ = ["FakeOptions", "create_app", "run", "start"]
+from . import _anthropic, _media, _pooling
+from ._common import (
+    _BODY_FORM,
+    _BODY_JSON,
+    _BODY_NONE,
+    _DONE,
+    _JSON,
+    _JSON_V1,
+    _PROCESSING_MS,
+    _SSE_V1,
+    _X_REQUEST_ID,
+    FakeOptions,
+    _Call,
+    _ClientGone,
+    _Endpoint,
+    _error,
+    _error_body,
+    _Execution,
+    _groups,
+    _Hooks,
+    _HooksPatch,
+    _OptionsPatch,
+    _Overrides,
+    _Recorded,
+    _recorded_headers,
+    _Stats,
+    _stream,
+    _words,
+)
+from ._responses import ResponsesAPI
 
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-def _default_models() -> list[str]:
-    return ["fake-model"]
-
-
-class FakeOptions(msgspec.Struct, kw_only=True):
-    """Behaviour of a fake provider; mutable, ``POST /_fake/control`` changes it at run time."""
-
-    delay_ms: int = 0
-    """Wait before answering (JSON) / before the first chunk (stream)."""
-    tokens: int = 16
-    """Tokens per answer: content words in JSON, content chunks in a stream."""
-    token_interval_ms: int = 0
-    """Pause between stream content chunks."""
-    models: list[str] = msgspec.field(default_factory=_default_models)
-    """Names reported by the model-listing endpoints."""
-    api_key: str | None = None
-    """When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise)."""
-    fail_status: int | None = None
-    """When set, every ``/v1`` POST answers this status with an OpenAI-style error body."""
-    hang: bool = False
-    """Accept POSTs and never answer (until the client goes away)."""
-    garbage: bool = False
-    """Answer 200 with invalid JSON (non-stream) / a broken SSE line (stream)."""
-    healthy: bool = True
-    """When False, the health/probe endpoints and ``/v1/models`` answer 503."""
-
-
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-_Status = Annotated[int, msgspec.Meta(ge=100, le=599)]
-
-
-class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Body of ``POST /_fake/control``: any subset of the ``FakeOptions`` fields."""
-
-    delay_ms: _NonNegative | msgspec.UnsetType = msgspec.UNSET
-    tokens: _NonNegative | msgspec.UnsetType = msgspec.UNSET
-    token_interval_ms: _NonNegative | msgspec.UnsetType = msgspec.UNSET
-    models: list[str] | msgspec.UnsetType = msgspec.UNSET
-    api_key: str | msgspec.UnsetType | None = msgspec.UNSET
-    fail_status: _Status | msgspec.UnsetType | None = msgspec.UNSET
-    hang: bool | msgspec.UnsetType = msgspec.UNSET
-    garbage: bool | msgspec.UnsetType = msgspec.UNSET
-    healthy: bool | msgspec.UnsetType = msgspec.UNSET
-
-
-class _Recorded(msgspec.Struct):
-    path: str
-    model: str | None
-    stream: bool
-    authorization: str | None
-    body: Any
-
-
-class _Stats(msgspec.Struct):
-    in_flight: int = 0
-    max_in_flight: int = 0
-    total: int = 0
-    completed: int = 0
-    disconnected: int = 0
-
-
-class _Hooks(msgspec.Struct, kw_only=True):
-    """Test hooks outside ``FakeOptions``; ``POST /_fake/hooks`` changes them."""
-
-    track_executions: bool = False
-    body_overrides: bool = False
-
-
-class _HooksPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    track_executions: bool | msgspec.UnsetType = msgspec.UNSET
-    body_overrides: bool | msgspec.UnsetType = msgspec.UNSET
-
-
-class _Overrides(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A request's ``fake`` object (with ``body_overrides`` on)."""
-
-    delay_ms: _NonNegative | None = None
-    tokens: _NonNegative | None = None
-    token_interval_ms: _NonNegative | None = None
-
-
-class _Execution(msgspec.Struct, kw_only=True):
-    """One ``/v1`` POST, as ``/_fake/executions`` lists it."""
-
-    path: str
-    started: float
-    client_port: int | None = None
-    """The caller's TCP port: which of several callers (worker processes) ran it."""
-    marker: str | None = None
-    stream: bool = False
-    ended: float | None = None
-    outcome: str = "running"
-
-    def end(self, outcome: str) -> None:
-        self.ended = time.time()
-        self.outcome = outcome
-
-
-class _ClientGone(Exception):
-    """The client went away before the answer was complete (seen without handler cancellation)."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
-
-
-# --------------------------------------------------------------------------- constant bytes
-
-_JSON: Final = "application/json"
-_SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_DONE: Final = b"data: [DONE]\n\n"
 _HANG_POLL_S: Final = 0.05
 _EMBEDDING_DIMS: Final = 8
 _MAX_RECORDED: Final = 1000
 _MAX_EXECUTIONS: Final = 100_000
 
-
-def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
-def _error(status: int, body: bytes) -> web.Response:
-    return web.Response(status=status, body=body, content_type=_JSON)
-
-
-_BAD_JSON: Final = _error_body(
+_BAD_JSON_MESSAGE: Final = (
     "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
-    "HTTP library correctly. The OpenAI API expects a JSON payload.)",
-    "invalid_request_error",
+    "HTTP library correctly. The OpenAI API expects a JSON payload.)"
 )
-_NOT_OBJECT: Final = _error_body("The request body must be a JSON object.", "invalid_request_error")
-_NO_MODEL: Final = _error_body("you must provide a model parameter", "invalid_request_error", "model")
-_BAD_KEY: Final = _error_body(
-    "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key"
-)
-_BAD_INPUT: Final = _error_body(
-    "'input' must be a string, a list of strings, a list of integers or a list of lists of integers",
-    "invalid_request_error",
-    "input",
-)
+_BAD_KEY: Final = _error_body("Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
 _UNHEALTHY: Final = _error_body("fake provider is unhealthy", "server_error", None, "service_unavailable")
-_SHUTTING_DOWN: Final = _error_body("fake provider is shutting down", "server_error")
-_BAD_OVERRIDES: Final = _error_body(
-    "'fake' must be an object of non-negative integers delay_ms, tokens, token_interval_ms",
-    "invalid_request_error",
-    "fake",
-)
+_BAD_OVERRIDES_MESSAGE: Final = "'fake' must be an object of non-negative integers delay_ms, tokens, token_interval_ms"
 
 _GARBAGE_JSON: Final = b'{"id":"chatcmpl-garbage","object":"chat.completion","choices":[{"message":{"rol'
 # A stream that starts fine, then carries a data line that is not JSON, then ends normally.
@@ -213,7 +75,7 @@ _GARBAGE_STREAM: Final = (
     b'data: {"id":"chatcmpl-garbage","choices":[{"delta":{"content":"tok0\n\n' + _DONE
 )
 
-_CHAT, _TEXT, _EMBED = 0, 1, 2
+_CHAT, _TEXT = 0, 1
 _MODEL: Final = b',"model":'
 _FINGERPRINT: Final = b',"system_fingerprint":null,"choices":'
 _NOT_FINISHED: Final = b',"logprobs":null,"finish_reason":null}]}\n\n'
@@ -256,36 +118,9 @@ _SHAPES: Final = {
 }
 
 
-class _Words(msgspec.Struct, frozen=True):
-    content: bytes  # JSON string "tok0 tok1 ... tokN-1"
-    pieces: tuple[bytes, ...]  # JSON strings "tok0 ", "tok1 ", ..., "tokN-1"
-    deltas: tuple[bytes, ...]  # {"content":"tok0 "} ...
-
-
-@functools.lru_cache(maxsize=64)
-def _words(n: int) -> _Words:
-    words = [f"tok{i}" for i in range(n)]
-    pieces = tuple(msgspec.json.encode(w + " " if i < n - 1 else w) for i, w in enumerate(words))
-    return _Words(
-        content=msgspec.json.encode(" ".join(words)),
-        pieces=pieces,
-        deltas=tuple(b'{"content":' + p + b"}" for p in pieces),
-    )
-
-
 def _usage(prompt: int, completion: int) -> bytes:
     total = prompt + completion
     return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (prompt, completion, total)
-
-
-def _groups(first: bytes, contents: Sequence[bytes], tail: bytes) -> list[bytes]:
-    """What to write between the pauses: ``first`` with the first content chunk, each next one, ``tail``
-    glued to the last."""
-    if not contents:
-        return [first + tail]
-    groups = [first + contents[0], *contents[1:]]
-    groups[-1] += tail
-    return groups
 
 
 def _embedding(item: str | list[int]) -> list[float]:
@@ -311,6 +146,12 @@ def _embedding_inputs(value: Any) -> list[str | list[int]] | None:
     return None
 
 
+def _request_id_prefix() -> str:
+    """The first 24 characters of a UUID-4-shaped id; a per-request counter supplies the last 12."""
+    digits = secrets.token_hex(10)
+    return f"{digits[:8]}-{digits[8:12]}-4{digits[12:15]}-8{digits[15:18]}-"
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -323,10 +164,50 @@ class _FakeProvider:
         self.executions: deque[_Execution] = deque(maxlen=_MAX_EXECUTIONS)
         self.closing = False
         self._ids = itertools.count(1)
-        self.routes: dict[str, dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = {
-            "/v1/chat/completions": {"POST": self.chat},
-            "/v1/completions": {"POST": self.completions},
-            "/v1/embeddings": {"POST": self.embeddings},
+        self._request_ids = itertools.count(1)
+        self._request_id_prefix = _request_id_prefix()
+        # Transports that answered while close_idle_keepalive was on.
+        self._served: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.fallback_resource: web.AbstractResource | None = None
+        responses = ResponsesAPI()
+        self.responses = responses
+        chat = {"POST": _Endpoint(self._chat, streams=True)}
+        rerank = {"POST": _Endpoint(_pooling.rerank)}
+        score = {"POST": _Endpoint(_pooling.score)}
+        tokenize = {"POST": _Endpoint(_pooling.tokenize, needs_model=False)}
+        detokenize = {"POST": _Endpoint(_pooling.detokenize, needs_model=False)}
+        self.endpoints: dict[str, dict[str, _Endpoint]] = {
+            "/v1/chat/completions": chat,
+            "/v1/completions": {"POST": _Endpoint(self._completions, streams=True)},
+            "/v1/embeddings": {"POST": _Endpoint(self._embeddings)},
+            "/v1/responses": {"POST": _Endpoint(responses.create, streams=True)},
+            "/v1/responses/{response_id}": {
+                "GET": _Endpoint(responses.retrieve, body=_BODY_NONE, needs_model=False),
+                "DELETE": _Endpoint(responses.delete, body=_BODY_NONE, needs_model=False),
+            },
+            "/v1/responses/{response_id}/cancel": {
+                "POST": _Endpoint(responses.cancel, body=_BODY_NONE, needs_model=False)
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "GET": _Endpoint(responses.input_items, body=_BODY_NONE, needs_model=False)
+            },
+            "/v1/messages": {"POST": _Endpoint(_anthropic.messages, streams=True, anthropic=True)},
+            "/v1/messages/count_tokens": {"POST": _Endpoint(_anthropic.count_tokens, anthropic=True)},
+            "/v1/rerank": rerank,
+            "/rerank": rerank,
+            "/v2/rerank": rerank,
+            "/v1/score": score,
+            "/score": score,
+            "/tokenize": tokenize,
+            "/v1/tokenize": tokenize,
+            "/detokenize": detokenize,
+            "/v1/detokenize": detokenize,
+            "/v1/audio/transcriptions": {"POST": _Endpoint(_media.transcription, body=_BODY_FORM, streams=True)},
+            "/v1/audio/translations": {"POST": _Endpoint(_media.translation, body=_BODY_FORM)},
+            "/v1/audio/speech": {"POST": _Endpoint(_media.speech)},
+            "/v1/images/generations": {"POST": _Endpoint(_media.images)},
+        }
+        self.routes: dict[str, dict[str, _Handler]] = {
             "/v1/models": {"GET": self.v1_models},
             "/health": {"GET": self.health},
             "/health_generate": {"GET": self.health},
@@ -342,19 +223,18 @@ class _FakeProvider:
             "/_fake/hooks": {"GET": self.get_hooks, "POST": self.set_hooks},
             "/_fake/executions": {"GET": self.get_executions, "DELETE": self.clear_executions},
         }
+        for path, methods in self.endpoints.items():
+            self.routes[path] = {method: self._handler(endpoint) for method, endpoint in methods.items()}
 
-    # ---------------------------------------------------------------- /v1 POSTs
+    def _handler(self, endpoint: _Endpoint) -> _Handler:
+        # A partial, not a closure: one coroutine frame less per request.
+        return functools.partial(self._post, endpoint=endpoint)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._post(request, _CHAT)
+    # ---------------------------------------------------------------- the request pipeline
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._post(request, _TEXT)
-
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._post(request, _EMBED)
-
-    async def _post(self, request: web.Request, kind: int) -> web.StreamResponse:
+    async def _post(self, request: web.Request, *, endpoint: _Endpoint) -> web.StreamResponse:
+        if self.options.close_idle_keepalive and self._drop_reused(request):
+            return web.Response(status=499)  # nobody reads it: the connection is closed
         stats = self.stats
         stats.total += 1
         stats.in_flight += 1
@@ -366,8 +246,9 @@ class _FakeProvider:
             port = peer[1] if isinstance(peer, tuple) and len(peer) >= 2 else None
             execution = _Execution(path=request.path, started=time.time(), client_port=port)
             self.executions.append(execution)
+        call = _Call(request, endpoint, f"{self._request_id_prefix}{next(self._request_ids):012x}")
         try:
-            response = await self._answer(request, kind, execution)
+            response = await self._answer(call, execution)
         except asyncio.CancelledError:
             stats.disconnected += 1
             if execution is not None:
@@ -387,130 +268,107 @@ class _FakeProvider:
             stats.completed += 1
             if execution is not None:
                 execution.end("completed")
+            if not call.decorated and not response.prepared:
+                call.decorate(response)
+            if self.options.close_idle_keepalive and request.transport is not None:
+                self._served.add(request.transport)
             return response
         finally:
             stats.in_flight -= 1
 
-    async def _answer(
-        self, request: web.Request, kind: int, execution: _Execution | None = None
-    ) -> web.StreamResponse:
+    def _drop_reused(self, request: web.Request) -> bool:
+        """Close the connection, unanswered, when it already answered a request (``close_idle_keepalive``)."""
+        transport = request.transport
+        if transport is None or transport not in self._served:
+            return False
+        request.protocol.force_close()
+        return True
+
+    async def _answer(self, call: _Call, execution: _Execution | None = None) -> web.StreamResponse:
         options = self.options
-        raw = await request.read()
+        request = call.request
+        endpoint = call.endpoint
         authorization = request.headers.get("Authorization")
         body: Any
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            body = None
-            parsed = False
+        problem: str | None = None
+        kind = endpoint.body
+        if kind == _BODY_JSON:
+            raw = await request.read()
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                body = None
+                problem = _BAD_JSON_MESSAGE
+            call.raw = raw
+        elif kind == _BODY_FORM:
+            body, call.file, problem = await _media.read_form(request)
         else:
-            parsed = True
+            body = None
         is_object = isinstance(body, dict)
         model = body.get("model") if is_object else None
         if not isinstance(model, str) or not model:
             model = None
-        stream = is_object and kind != _EMBED and body.get("stream") is True
-        self.requests.append(_Recorded(request.path, model, stream, authorization, body))
-        if execution is not None:
-            user = body.get("user") if is_object else None
-            execution.marker = user if isinstance(user, str) else None
+        stream = False
+        if endpoint.streams and is_object:
+            flag = body.get("stream")
+            stream = flag is True or (kind == _BODY_FORM and flag in ("true", "True"))
+        method = None if request.method == "POST" else request.method
+        headers = _recorded_headers(request.headers)
+        recorded = _Recorded(request.path, model, stream, authorization, body, method, headers)
+        self.requests.append(recorded)
+        if execution is not None and is_object:
+            marker = body.get("user")
+            if marker is None and endpoint.anthropic and isinstance(body.get("metadata"), dict):
+                marker = body["metadata"].get("user_id")
+            execution.marker = marker if isinstance(marker, str) else None
             execution.stream = stream
         api_key = options.api_key
-        if api_key is not None and authorization != "Bearer " + api_key:
-            return _error(401, _BAD_KEY)
+        if (
+            api_key is not None
+            and authorization != "Bearer " + api_key
+            and not (endpoint.anthropic and request.headers.get("x-api-key") == api_key)
+        ):
+            if endpoint.anthropic:
+                return call.fail(401, "invalid x-api-key")
+            return web.Response(status=401, body=_BAD_KEY, headers=call.headers())
         delay_ms, n, interval_ms = options.delay_ms, options.tokens, options.token_interval_ms
         if self.hooks.body_overrides and is_object and "fake" in body:
             try:
                 overrides = msgspec.convert(body["fake"], type=_Overrides)
             except msgspec.ValidationError:
-                return _error(400, _BAD_OVERRIDES)
+                return call.fail(400, _BAD_OVERRIDES_MESSAGE, param="fake")
             delay_ms = delay_ms if overrides.delay_ms is None else overrides.delay_ms
             n = n if overrides.tokens is None else overrides.tokens
             interval_ms = interval_ms if overrides.token_interval_ms is None else overrides.token_interval_ms
 
         if options.hang and not await self._hang(request):
-            return _error(503, _SHUTTING_DOWN)
+            return call.fail(503, "fake provider is shutting down", "server_error")
         if delay_ms > 0:
             await self._sleep(request, delay_ms / 1000)
         status = options.fail_status
         if status is not None:
             type_ = "server_error" if status >= 500 else "invalid_request_error"
-            return _error(status, _error_body(f"fake provider failure (status {status})", type_))
+            return call.fail(status, f"fake provider failure (status {status})", type_)
         if options.garbage:
             if stream:
-                return web.Response(body=_GARBAGE_STREAM, headers=_SSE_HEADERS)
-            return web.Response(body=_GARBAGE_JSON, content_type=_JSON)
-        if not parsed:
-            return _error(400, _BAD_JSON)
-        if not is_object:
-            return _error(400, _NOT_OBJECT)
-        if model is None:
-            return _error(400, _NO_MODEL)
-
-        model_json = msgspec.json.encode(model)
-        prompt_tokens = max(1, len(raw) // 4)
-        if kind == _EMBED:
-            return self._embeddings(body, model_json)
-        words = _words(n)
-        usage = _usage(prompt_tokens, n)
-        shape = _SHAPES[kind]
-        # '{"id":"chatcmpl-fake1","object":"chat.completion","created":1700000000,"model":"m",...,"choices":'
-        created_model = b"%d" % int(time.time()) + _MODEL + model_json + _FINGERPRINT
-        rid = shape.id_prefix + b"%x" % next(self._ids)
-        if not stream:
-            body_parts = (b'{"id":"', rid, shape.object, created_model, shape.message_open, words.content)
-            answer = b"".join((*body_parts, shape.message_close, usage, b"}"))
-            return web.Response(body=answer, content_type=_JSON)
-        top = b'data: {"id":"' + rid + shape.chunk_object + created_model
-        head = top + shape.delta_open
-        first = head + shape.first + _NOT_FINISHED if shape.first else b""
-        pieces = words.deltas if kind == _CHAT else words.pieces
-        contents = [head + piece + _NOT_FINISHED for piece in pieces]
-        tail = head + shape.finish
-        stream_options = body.get("stream_options")
-        if isinstance(stream_options, dict) and stream_options.get("include_usage") is True:
-            tail += top + b'[],"usage":' + usage + b"}\n\n"
-        tail += _DONE
-        return await self._stream(request, _groups(first, contents, tail), interval_ms)
-
-    def _embeddings(self, body: dict[str, Any], model_json: bytes) -> web.Response:
-        items = _embedding_inputs(body.get("input"))
-        if items is None:
-            return _error(400, _BAD_INPUT)
-        as_base64 = body.get("encoding_format") == "base64"
-        data: list[dict[str, Any]] = []
-        tokens = 0
-        for index, item in enumerate(items):
-            vector = _embedding(item)
-            tokens += max(1, len(item.split())) if isinstance(item, str) else len(item)
-            embedding: list[float] | str = (
-                base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if as_base64 else vector
-            )
-            data.append({"object": "embedding", "index": index, "embedding": embedding})
-        return web.Response(
-            body=b'{"object":"list","data":' + msgspec.json.encode(data) + b',"model":' + model_json
-            + b',"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (tokens, tokens),
-            content_type=_JSON,
-        )
-
-    async def _stream(
-        self, request: web.Request, groups: list[bytes], interval_ms: int
-    ) -> web.StreamResponse:
-        if interval_ms <= 0 or len(groups) == 1:
-            # Nothing to wait for between the chunks: one write, with a Content-Length.
-            return web.Response(body=b"".join(groups), headers=_SSE_HEADERS)
-        interval = interval_ms / 1000
-        response = web.StreamResponse(headers=_SSE_HEADERS)
-        try:
-            await response.prepare(request)
-            await response.write(groups[0])
-            for group in itertools.islice(groups, 1, None):
-                await asyncio.sleep(interval)
-                await response.write(group)
-            await response.write_eof()
-        except ConnectionResetError as exc:
-            raise _ClientGone(response) from exc
-        return response
+                return web.Response(body=_GARBAGE_STREAM, headers=call.headers(_SSE_V1))
+            return web.Response(body=_GARBAGE_JSON, headers=call.headers())
+        if options.empty_200:
+            return web.Response(headers=call.headers(_SSE_V1 if stream else _JSON_V1))
+        if problem is not None:
+            return call.fail(400, problem)
+        if kind == _BODY_JSON and not is_object:
+            return call.fail(400, "The request body must be a JSON object.")
+        if model is None and endpoint.needs_model:
+            if endpoint.anthropic:
+                return call.fail(400, "model: Field required")
+            return call.fail(400, "you must provide a model parameter", param="model")
+        call.body = body
+        call.model = model or ""
+        call.stream = stream
+        call.tokens = n
+        call.interval_ms = interval_ms
+        return await endpoint.answer(call)
 
     async def _sleep(self, request: web.Request, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -530,6 +388,64 @@ class _FakeProvider:
             await asyncio.sleep(_HANG_POLL_S)
         return True
 
+    # ---------------------------------------------------------------- chat, completions, embeddings
+
+    # Plain functions handing over the coroutine: one frame less per request.
+    def _chat(self, call: _Call) -> Awaitable[web.StreamResponse]:
+        return self._complete(call, _CHAT)
+
+    def _completions(self, call: _Call) -> Awaitable[web.StreamResponse]:
+        return self._complete(call, _TEXT)
+
+    async def _complete(self, call: _Call, kind: int) -> web.StreamResponse:
+        model_json = msgspec.json.encode(call.model)
+        prompt_tokens = max(1, len(call.raw) // 4)
+        n = call.tokens
+        words = _words(n)
+        usage = _usage(prompt_tokens, n)
+        shape = _SHAPES[kind]
+        # '{"id":"chatcmpl-fake1","object":"chat.completion","created":1700000000,"model":"m",...,"choices":'
+        created_model = b"%d" % int(time.time()) + _MODEL + model_json + _FINGERPRINT
+        rid = shape.id_prefix + b"%x" % next(self._ids)
+        if not call.stream:
+            body_parts = (b'{"id":"', rid, shape.object, created_model, shape.message_open, words.content)
+            answer = b"".join((*body_parts, shape.message_close, usage, b"}"))
+            return web.Response(body=answer, headers=call.headers())
+        top = b'data: {"id":"' + rid + shape.chunk_object + created_model
+        head = top + shape.delta_open
+        first = head + shape.first + _NOT_FINISHED if shape.first else b""
+        pieces = words.deltas if kind == _CHAT else words.pieces
+        contents = [head + piece + _NOT_FINISHED for piece in pieces]
+        tail = head + shape.finish
+        stream_options = call.body.get("stream_options")
+        if isinstance(stream_options, dict) and stream_options.get("include_usage") is True:
+            tail += top + b'[],"usage":' + usage + b"}\n\n"
+        if not self.options.stream_no_done:
+            tail += _DONE
+        return await _stream(call, _groups(first, contents, tail), call.interval_ms)
+
+    async def _embeddings(self, call: _Call) -> web.StreamResponse:
+        items = _embedding_inputs(call.body.get("input"))
+        if items is None:
+            message = "'input' must be a string, a list of strings, a list of integers or a list of lists of integers"
+            return call.fail(400, message, param="input")
+        as_base64 = call.body.get("encoding_format") == "base64"
+        data: list[dict[str, Any]] = []
+        tokens = 0
+        for index, item in enumerate(items):
+            vector = _embedding(item)
+            tokens += max(1, len(item.split())) if isinstance(item, str) else len(item)
+            embedding: list[float] | str = (
+                base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if as_base64 else vector
+            )
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        return web.Response(
+            body=b'{"object":"list","data":' + msgspec.json.encode(data)
+            + b',"model":' + msgspec.json.encode(call.model)
+            + b',"usage":{"prompt_tokens":%d,"total_tokens":%d}}' % (tokens, tokens),
+            headers=call.headers(),
+        )
+
     # ---------------------------------------------------------------- GET endpoints
 
     def _unhealthy(self) -> web.Response | None:
@@ -539,11 +455,20 @@ class _FakeProvider:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.options.models]
         return msgspec.json.encode({"object": "list", "data": data})
 
+    def _v1_headers(self) -> CIMultiDict[str]:
+        """The headers of a /v1 answer outside the pipeline."""
+        headers = _JSON_V1.copy()
+        headers[_X_REQUEST_ID] = f"{self._request_id_prefix}{next(self._request_ids):012x}"
+        headers[_PROCESSING_MS] = "0"
+        return headers
+
     async def v1_models(self, request: web.Request) -> web.Response:
         api_key = self.options.api_key
         if api_key is not None and request.headers.get("Authorization") != "Bearer " + api_key:
-            return _error(401, _BAD_KEY)
-        return self._unhealthy() or web.Response(body=self._model_list(), content_type=_JSON)
+            return web.Response(status=401, body=_BAD_KEY, headers=self._v1_headers())
+        if not self.options.healthy:
+            return web.Response(status=503, body=_UNHEALTHY, headers=self._v1_headers())
+        return web.Response(body=self._model_list(), headers=self._v1_headers())
 
     async def health(self, request: web.Request) -> web.Response:
         return self._unhealthy() or web.Response()
@@ -628,14 +553,18 @@ class _FakeProvider:
     # ---------------------------------------------------------------- anything else
 
     async def fallback(self, request: web.Request) -> web.Response:
-        methods = self.routes.get(request.path)
-        if methods is None:
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not self.fallback_resource:
+                _, methods = await resource.resolve(request)
+                allowed |= methods
+        headers = self._v1_headers() if request.path.startswith("/v1/") else CIMultiDict({"Content-Type": _JSON})
+        if not allowed:
             message = f"Invalid URL ({request.method} {request.path})"
-            return _error(404, _error_body(message, "invalid_request_error"))
+            return web.Response(status=404, body=_error_body(message, "invalid_request_error"), headers=headers)
         message = f"Method {request.method} not allowed for {request.path}"
-        response = _error(405, _error_body(message, "invalid_request_error"))
-        response.headers["Allow"] = ", ".join(sorted(methods))
-        return response
+        headers["Allow"] = ", ".join(sorted(allowed))
+        return web.Response(status=405, body=_error_body(message, "invalid_request_error"), headers=headers)
 
     async def on_shutdown(self, app: web.Application) -> None:
         self.closing = True
@@ -648,7 +577,8 @@ def create_app(options: FakeOptions) -> web.Application:
     for path, methods in provider.routes.items():
         for method, handler in methods.items():
             app.router.add_route(method, path, handler)
-    app.router.add_route("*", "/{tail:.*}", provider.fallback)
+    provider.fallback_resource = app.router.add_resource("/{tail:.*}")
+    provider.fallback_resource.add_route("*", provider.fallback)
     app.on_shutdown.append(provider.on_shutdown)
     return app
 
@@ -710,7 +640,7 @@ async def _patch(request: web.Request, target: Any, patch_type: type[msgspec.Str
     except msgspec.ValidationError as exc:
         return _error(400, _error_body(f"invalid {what}: {exc}", "invalid_request_error"))
     except msgspec.DecodeError:
-        return _error(400, _BAD_JSON)
+        return _error(400, _error_body(_BAD_JSON_MESSAGE, "invalid_request_error"))
     for name in patch.__struct_fields__:
         value = getattr(patch, name)
         if value is not msgspec.UNSET:

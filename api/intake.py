@@ -1,0 +1,142 @@
+"""What a request is, before it becomes a job: its model, whether it streams, the lane of
+providers it may go to, and what is stored for its worker.
+
+* JSON bodies name their ``model`` (and ``stream``); multipart uploads (audio) carry
+  them as form fields. Bodies go on untouched but for the model (set by the worker).
+* The lane is that of the model's providers that serve the endpoint
+  (``dispatcher/plans.py``); none serving it is ``400 unsupported_endpoint``, at once.
+* A call on a stored Response -- ``previous_response_id``, or ``/v1/responses/{id}...``
+  -- goes only to the provider that made it (``lua/remember_response.lua``): its lane
+  of one. A provider that left the pool is ``409``; one that is down, ``503``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request
+
+from dispatcher.config import ModelConfig
+from dispatcher.endpoints import ENDPOINTS, RESPONSES
+from dispatcher.envelope import FORWARDED_HEADERS, JSON, RequestEnvelope, wrap
+from dispatcher.exceptions import (
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    RequestTimeout,
+    ResponseNotFound,
+    ResponseProviderGone,
+    UnsupportedEndpoint,
+)
+from dispatcher.jsonbody import read_request
+from dispatcher.multipart import fields
+from dispatcher.plans import Lane
+from dispatcher.tenants import Tenant
+
+if TYPE_CHECKING:
+    from api.gateway import Gateway
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    model: ModelConfig
+    endpoint: str
+    stream: bool
+    lane: Lane
+    pinned: bool  # the lane is one provider's, because the request's state lives there
+    stored: bytes  # what the worker gets (dispatcher/envelope.py)
+    tenant: Tenant
+
+
+def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
+    model = gw.models.get(model_id)
+    if model is None:
+        raise ModelNotFound(model_id)
+    if not tenant.allows(model_id):
+        raise ModelNotAllowed(f"Your key may not call '{model_id}'")
+    return model
+
+
+def _in_band(request: Request[Any, Any, Any], gw: Gateway, tenant: Tenant, lane: Lane) -> Lane:
+    band = gw.tenants.band_for(tenant, request.headers)
+    return lane if band == lane.band else gw.plans.banded(lane, band)
+
+
+async def read_body(request: Request[Any, Any, Any], gw: Gateway) -> bytes:
+    try:
+        async with asyncio.timeout(gw.config.api.body_timeout_s):
+            return await request.body()
+    except TimeoutError:
+        raise RequestTimeout("The request body did not arrive in time") from None
+
+
+async def take(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tenant: Tenant) -> Intake:
+    """A POST whose body names its model."""
+    body = await read_body(request, gw)
+    spec = ENDPOINTS[endpoint]
+    content_type = request.headers.get("content-type", JSON)
+    previous = None
+    if spec.body == "multipart":
+        if not content_type.startswith("multipart/form-data"):
+            raise InvalidRequest(f"/v1/{endpoint} takes multipart/form-data, not {content_type}")
+        form = fields(body, content_type, ("model", "stream"))
+        model_id, stream = form.get("model", "").strip(), form.get("stream", "").strip().lower() == "true"
+        if not model_id:
+            raise InvalidRequest("You must provide a model parameter", param="model")
+    else:
+        content_type = JSON
+        model_id, stream, previous = read_request(body)
+    model = _allowed(gw, tenant, model_id)
+    stream = spec.always_streams or (stream and spec.can_stream)
+    stored = wrap(RequestEnvelope(body, content_type=content_type, headers=forwarded(request)))
+    if previous is not None and endpoint == RESPONSES:
+        provider = await _maker(gw, previous, "previous_response_id")
+        lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, provider, previous))
+        return Intake(model, endpoint, stream, lane, True, stored, tenant)
+    found = gw.plans.lane_for(model.id, endpoint)
+    if found is None:
+        raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
+    return Intake(model, endpoint, stream, _in_band(request, gw, tenant, found), False, stored, tenant)
+
+
+async def take_stored(
+    request: Request[Any, Any, Any], gw: Gateway, response_id: str, rest: str, tenant: Tenant
+) -> Intake:
+    """A call on a stored Response (``GET/DELETE /v1/responses/{id}``, ``.../cancel``,
+    ``.../input_items``): to the provider that made it, for the model it was made with."""
+    body = await read_body(request, gw)
+    stored = await gw.jobs.stored_response(response_id)
+    if stored is None:
+        raise ResponseNotFound(f"No response with id '{response_id}' is known to iop (never stored, or forgotten)")
+    if stored.model not in gw.models:
+        raise ResponseProviderGone(f"Response '{response_id}' was made for model '{stored.model}', "
+                                   "which this gateway no longer serves")
+    model = _allowed(gw, tenant, stored.model)
+    path = f"{RESPONSES}/{response_id}{rest}"
+    if request.url.query:
+        path += f"?{request.url.query}"
+    envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request))
+    lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, stored.provider, response_id))
+    return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant)
+
+
+def forwarded(request: Request[Any, Any, Any]) -> dict[str, str]:
+    headers = request.headers
+    return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
+
+
+async def _maker(gw: Gateway, response_id: str, param: str) -> str:
+    stored = await gw.jobs.stored_response(response_id)
+    if stored is None:
+        raise ResponseNotFound(f"Previous response with id '{response_id}' not found.", param=param)
+    return stored.provider
+
+
+def _pinned_lane(gw: Gateway, model: ModelConfig, provider: str, response_id: str) -> Lane:
+    lane = gw.plans.pinned_lane(model.id, provider)
+    if lane is None:
+        raise ResponseProviderGone(f"Response '{response_id}' lives on provider '{provider}', which no longer "
+                                   f"serves '{model.id}' here; start a new conversation")
+    return lane

@@ -1,0 +1,123 @@
+"""Who is asking: tenants (named caller keys), their priority bands, weights, model
+allow-lists and limits, as the config gives them.
+
+A request's tenant is the name of the key it presented; the keys of ``api.api_keys_env``
+(or an open API) are tenant ``default``. Flow control -- priority bands, weighted fair
+queuing between tenants, per-tenant limits (``lua/lib/pump.lua``) -- is on only when
+there is something to control: more than one tenant, more than one band, or a limit.
+Otherwise dispatch is the plain FIFO it always was, at the same cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from dispatcher.config import DEFAULT_TENANT, Config
+from dispatcher.exceptions import InvalidRequest, Unauthorized
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    band: int  # rank in the bands, 0 first
+    weight: float = 1.0
+    models: tuple[str, ...] | None = None  # globs; None = every model
+    max_queued: int | None = None
+    max_in_flight: int | None = None
+
+    def allows(self, model_id: str) -> bool:
+        return self.models is None or any(fnmatchcase(model_id, p) for p in self.models)
+
+    def job_id(self, job: str) -> str:
+        """A flow-controlled job's id names its tenant (``lua/lib/pump.lua`` reads it)."""
+        return f"{self.name}~{job}"
+
+
+def bands(config: Config) -> list[str]:
+    return list(config.api.priorities) or [config.api.default_priority]
+
+
+def flow_control(config: Config) -> bool:
+    api = config.api
+    tenants = {k.name for k in api.keys} | ({DEFAULT_TENANT} if api.api_keys_env or not api.keys else set())
+    limited = any(k.max_queued or k.max_in_flight for k in api.keys)
+    return len(tenants) > 1 or len(bands(config)) > 1 or limited or api.tenant_header is not None
+
+
+class Tenants:
+    """The tenants of a config, and the one a request's headers name."""
+
+    def __init__(self, config: Config) -> None:
+        api = config.api
+        self.bands = bands(config)
+        self.default_band = self.bands.index(api.default_priority) if api.default_priority in self.bands else 0
+        self.flow_control = flow_control(config)
+        self.header = api.tenant_header.lower() if api.tenant_header else None
+        self.default = Tenant(DEFAULT_TENANT, self.default_band)
+        self.by_name: dict[str, Tenant] = {DEFAULT_TENANT: self.default}
+        # sha256(key) -> tenant name. Presented keys are hashed first, so looking the digest
+        # up says nothing useful about any key through its timing.
+        self._digests: dict[bytes, str] = {}
+        for key in api.keys:
+            self.by_name[key.name] = Tenant(
+                key.name,
+                self.bands.index(key.priority) if key.priority else self.default_band,
+                key.weight,
+                tuple(key.models) if key.models is not None else None,
+                key.max_queued,
+                key.max_in_flight,
+            )
+            if key.key_sha256:
+                self._digests[bytes.fromhex(key.key_sha256)] = key.name
+            elif key.key_env:
+                value = os.environ.get(key.key_env, "").strip()
+                if value:
+                    self._digests[_digest(value.encode())] = key.name
+        if api.api_keys_env:
+            for value in os.environ.get(api.api_keys_env, "").split(","):
+                if value.strip():
+                    self._digests.setdefault(_digest(value.strip().encode()), DEFAULT_TENANT)
+        self.open = not api.api_keys_env and not api.keys
+
+    def of(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant of a request; Unauthorized without a known key."""
+        tenant = self.default if self.open else self._by_key(headers)
+        if self.header is not None and (named := headers.get(self.header)):
+            # Only behind a load balancer that sets it: the header names the tenant.
+            found = self.by_name.get(named)
+            if found is None:
+                raise Unauthorized(f"Unknown tenant {named!r} in {self.header}")
+            tenant = found
+        return tenant
+
+    def band_for(self, tenant: Tenant, headers: Mapping[str, str]) -> int:
+        """The band of a request: its tenant's, or a lower one it asks for (x-iop-priority)."""
+        asked = headers.get("x-iop-priority")
+        if asked is None:
+            return tenant.band
+        if asked not in self.bands:
+            raise InvalidRequest(f"x-iop-priority: {asked!r} is not one of {self.bands}", param="x-iop-priority")
+        return max(tenant.band, self.bands.index(asked))  # lower only, never higher
+
+    def limits(self) -> dict[str, int]:
+        """Tenant -> max_in_flight, as dispatch reads them from Redis."""
+        return {t.name: t.max_in_flight for t in self.by_name.values() if t.max_in_flight}
+
+    def _by_key(self, headers: Mapping[str, str]) -> Tenant:
+        header = headers.get("authorization", "")
+        scheme, _sep, token = header.partition(" ")
+        presented = token.strip() if scheme.lower() == "bearer" else ""
+        if not presented:
+            presented = headers.get("x-api-key", "").strip()
+        name = self._digests.get(_digest(presented.encode())) if presented else None
+        if name is None:
+            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
+        return self.by_name[name]
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()

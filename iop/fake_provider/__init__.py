@@ -1,0 +1,174 @@
+"""A fake OpenAI-compatible upstream: the provider of the tests, the demo (``iop up``) and the benchmarks.
+
+``iop fake-provider`` runs it from the command line; tests start it in-process with ``start``.
+
+It answers the endpoints a gateway relays the way vLLM, OpenAI and Anthropic do, always echoing
+the received ``model`` (the served name) in its answers; imitates the health/probe endpoints of
+vLLM, SGLang, Ollama and Lemonade; and can be told at run time (``POST /_fake/control``) to be
+slow, to fail, to hang, to answer garbage, to look unhealthy or to show some real servers' quirks.
+``/_fake/requests`` and ``/_fake/stats`` let tests see what it received and how many requests
+were in flight at once.
+
+It is built to be cheap per request, so that benchmarks measure the gateway and not the fake:
+for chat/completions constant byte strings are encoded once, answers are assembled by byte
+concatenation around the JSON-encoded ``model`` echo, nothing is logged per request, and a
+stream with no ``token_interval_ms`` pause is written in one piece (with a Content-Length).
+
+Endpoints
+=========
+
+The *pipeline* endpoints (all but the probes, ``GET /v1/models`` and ``/_fake/*``); the answer
+text is ``tokens`` words ``"tok0 tok1 ... tokN-1"`` wherever the model generates text:
+
+``POST /v1/chat/completions``, ``POST /v1/completions``
+    JSON, or SSE ``data:`` chunks with ``stream: true``: a role chunk (chat), one chunk per token,
+    a ``finish_reason: "stop"`` chunk, a usage chunk with ``stream_options.include_usage``, then
+    ``data: [DONE]``. ``prompt_tokens`` is the body's length / 4.
+``POST /v1/embeddings``
+    8-dimensional vectors derived from each input (string, list of strings, token list(s));
+    ``encoding_format: "base64"`` packs them as little-endian float32.
+``POST /v1/responses`` (OpenAI Responses API)
+    ``{"id": "resp_…", "object": "response", "created_at", "status": "completed", "model",
+    "output": [{"type": "message", "id": "msg_…", "role": "assistant", "status": "completed",
+    "content": [{"type": "output_text", "text", "annotations": [], "logprobs": []}]}],
+    "usage": {"input_tokens", "output_tokens", "total_tokens", …}, "previous_response_id",
+    "store", …}``. With ``stream: true``: SSE events, each an ``event:`` line and a ``data:``
+    object whose ``type`` is the event name and which carries a ``sequence_number`` (from 0):
+    ``response.created``, ``response.in_progress``, ``response.output_item.added``,
+    ``response.content_part.added``, one ``response.output_text.delta`` per token,
+    ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
+    ``response.completed``; the lifecycle events carry the response (model in ``response.model``).
+    No ``data: [DONE]`` (as OpenAI). Unless ``store: false`` the response is kept, per fake
+    instance (the last 10,000), under its id; ``previous_response_id`` naming an id this instance
+    does not hold answers 404 ("Previous response with id '…' not found.", code
+    ``previous_response_not_found``). ``background: true`` answers at once with status ``queued``
+    (no output); the stored response is already completed.
+``GET /v1/responses/{id}``, ``DELETE …/{id}``, ``POST …/{id}/cancel``, ``GET …/{id}/input_items``
+    The stored response; ``{"id", "object": "response", "deleted": true}``; the response with
+    status ``cancelled`` if it was created with ``background: true``, else 400 ("Cannot cancel a
+    synchronous response."); ``{"object": "list", "data": [input items], "first_id", "last_id",
+    "has_more"}`` (query ``order`` ``desc`` by default / ``asc``, ``limit`` 1-100 default 20,
+    ``after``); a string ``input`` is one user message item with ``input_text`` content, and items
+    get ids when they have none. An unknown id answers 404 ("Response with id '…' not found.").
+``POST /v1/messages`` (Anthropic Messages API)
+    ``{"id": "msg_…", "type": "message", "role": "assistant", "model", "content": [{"type": "text",
+    "text"}], "stop_reason": "end_turn", "stop_sequence": null, "usage": {"input_tokens",
+    "output_tokens", "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}``.
+    ``max_tokens`` is required (400 otherwise); when it is below ``tokens`` the answer stops after
+    ``max_tokens`` words with ``stop_reason: "max_tokens"``. ``messages`` must be a list.
+    ``input_tokens`` counts the words of ``system`` and of the messages' text. With ``stream:
+    true``: ``message_start`` (the message with empty content, no stop reason), ``content_block_start``,
+    ``ping``, one ``content_block_delta`` (``text_delta``) per token, ``content_block_stop``,
+    ``message_delta`` (``stop_reason``, ``usage.output_tokens``), ``message_stop``; each an
+    ``event:`` line and a ``data:`` object with that ``type``. Errors are Anthropic-shaped:
+    ``{"type": "error", "error": {"type": "invalid_request_error" | "authentication_error" |
+    "rate_limit_error" | "api_error" | "overloaded_error" | …, "message"}, "request_id"}``.
+    Answers carry ``request-id: req_fake…`` and ``anthropic-ratelimit-requests-remaining: 99``,
+    and echo the request's ``anthropic-version`` / ``anthropic-beta`` headers as
+    ``x-fake-anthropic-version`` / ``x-fake-anthropic-beta``.
+``POST /v1/messages/count_tokens``
+    ``{"input_tokens": N}``, the same count as the messages answer's ``usage.input_tokens``.
+``POST /v1/rerank``, ``/rerank``, ``/v2/rerank`` (vLLM, Jina, Cohere)
+    ``{model, query, documents: [str | {"text"}], top_n?, return_documents?}`` → ``{"id", "model",
+    "usage": {"total_tokens"}, "results": [{"index", "document": {"text"}, "relevance_score"}]}``
+    sorted by score, highest first (ties: by index); the score is the word overlap (Jaccard index
+    of the lower-cased word sets) of query and document; ``top_n`` (0: all) keeps the best ones.
+``POST /v1/score``, ``/score`` (vLLM)
+    ``{model, text_1, text_2}`` (strings, or lists: one ``text_1`` against each ``text_2``, or
+    pairwise) → ``{"id", "object": "list", "created", "model", "data": [{"index", "object":
+    "score", "score"}], "usage"}``, the same score as rerank.
+``POST /tokenize``, ``/detokenize``, ``/v1/tokenize``, ``/v1/detokenize`` (vLLM, llama.cpp)
+    ``{model?, prompt}`` (or llama.cpp's ``content``, or vLLM's chat ``messages``) → ``{"count",
+    "max_model_len": 32768, "tokens", "token_strs"}``: one token per whitespace-separated word,
+    ``tok<i>`` is token ``i``, any other word a hash ≥ 2**30 remembered by the process;
+    ``{model?, tokens}`` → ``{"prompt"}``, the words joined by spaces (400 for an unknown id).
+``POST /v1/audio/transcriptions``, ``/v1/audio/translations``
+    multipart/form-data (``file``, ``model``, ``response_format``, …; anything else: 400). The text
+    is ``"fake transcript of <N> bytes by <model>"`` (``translation`` for translations), N the
+    size of the received file. ``response_format``: ``json`` (default) ``{"text"}``; ``text``
+    (text/plain); ``srt`` (text/plain); ``vtt`` (text/vtt); ``verbose_json`` (task, language,
+    duration, text, segments, ``words`` with ``timestamp_granularities[]=word``, usage). A
+    transcription with ``stream=true``: SSE ``transcript.text.delta`` events (one per word) then
+    ``transcript.text.done`` (with usage), each with an ``event:`` line; no ``[DONE]``.
+``POST /v1/audio/speech``
+    ``{model, input, voice, response_format?, stream_format?}`` → audio: 480 times ``len(input)``
+    bytes of samples derived from ``input``, after a valid WAV header (``wav``) or the format's
+    magic bytes (``mp3`` default audio/mpeg, ``opus`` audio/ogg, ``aac``, ``flac``; ``pcm``: none),
+    with ``x-fake-audio-bytes: <total size>``; always chunked, in ``tokens`` writes with
+    ``token_interval_ms`` between them. ``stream_format: "sse"``: ``speech.audio.delta`` events
+    (base64 ``audio``) then ``speech.audio.done``.
+``POST /v1/images/generations``
+    ``{model, prompt, n?, response_format?}`` → ``{"created", "data": [{"b64_json": <a valid 1x1
+    PNG, its colour derived from the prompt and index>, "revised_prompt"}, … n of them]}`` (``url``: a
+    ``data:image/png;base64,`` URL).
+
+Every pipeline answer, and every other ``/v1`` answer (``/v1/models``, a 404 or 405), carries
+``x-request-id: <uuid>`` (unique), ``openai-processing-ms: <n>``,
+``x-ratelimit-remaining-requests: 99`` and the hop-by-hop ``Keep-Alive: timeout=5`` (which a
+gateway must not relay). ``GET /v1/models`` lists ``models``; ``/health``,
+``/health_generate``, ``/api/tags``, ``/api/ps``, ``/api/version``, ``/api/v1/health`` and
+``/api/v1/models`` are the probes. An unknown path answers 404, a wrong method 405 (OpenAI-shaped).
+
+Options and the pipeline
+========================
+
+Order of the checks of a pipeline request: the request is recorded (even a malformed one, with
+``body: null``), then ``api_key`` (401), the ``fake`` overrides when enabled (400), ``hang``,
+``delay_ms``, ``fail_status``, ``garbage``, ``empty_200``, and only then the body itself is
+validated (400). Options (``FakeOptions``, all changed by ``POST /_fake/control``):
+
+``delay_ms``, ``tokens``, ``token_interval_ms``
+    Wait before answering; words per generated answer (and stream chunks, speech writes); pause
+    between stream chunks.
+``api_key``
+    Required as ``Authorization: Bearer <key>`` (the Anthropic endpoints also take ``x-api-key``).
+``fail_status``, ``hang``, ``garbage``, ``healthy``
+    Every pipeline request answers this status; is held until the client goes away, the server
+    shuts down (503), or ``hang`` is switched off again (then answered normally); answers 200
+    with invalid JSON (non-stream) or a stream with a broken line; ``healthy: false`` makes the
+    probes and ``/v1/models`` answer 503 (not the pipeline).
+``stream_no_done``
+    Chat/completions streams end without ``data: [DONE]``.
+``empty_200``
+    Every pipeline request answers 200 with an empty body (JSON or event-stream content type).
+``close_idle_keepalive``
+    Each connection answers one pipeline request with an ordinary keep-alive answer; when the next
+    one arrives on it, the server closes it without answering (nor counting or recording it), as a
+    server does that closed an idle keep-alive connection just as the client reused it from its
+    pool: the client sees "Server disconnected" and must retry on a new connection.
+
+Test hooks
+==========
+
+``/_fake/requests`` lists the last 1,000 pipeline requests: ``path``, ``model``, ``stream``,
+``authorization`` and ``body`` (the JSON body; for a multipart request its form fields, a file
+as ``{"filename", "content_type", "size", "sha256"}`` and a repeated field as a list), plus
+``method`` when not POST and ``headers`` when the request had any of ``anthropic-version``,
+``anthropic-beta``, ``x-api-key``, ``openai-beta``, ``idempotency-key``.
+``DELETE /_fake/requests`` clears it.
+
+Counters of ``/_fake/stats``: ``total`` pipeline requests received, ``completed`` ones answered
+(whatever the status), ``disconnected`` ones whose client went away first (also a request
+still held when the server stops); ``total == completed + disconnected + in_flight``.
+``POST /_fake/stats/reset`` zeroes them, except ``in_flight`` (``max_in_flight`` restarts from it).
+
+Two more test hooks, both off until ``POST /_fake/hooks`` switches them on (so they cost
+nothing otherwise): ``track_executions`` logs every pipeline request in ``/_fake/executions``
+with its marker (the body's ``user`` string, or an Anthropic body's ``metadata.user_id``), the
+caller's TCP port, its start and end (wall-clock seconds) and its outcome (``running``,
+``completed``, ``disconnected`` or ``failed``), so a test can count how often the provider ran
+each request; ``body_overrides`` lets a JSON request carry a ``fake`` object (``delay_ms``,
+``tokens``, ``token_interval_ms``) that replaces those options for that request alone.
+
+Code: ``_server`` (the pipeline, chat/completions/embeddings, probes, test hooks, the app),
+``_responses``, ``_anthropic``, ``_pooling`` (rerank, score, tokenize), ``_media`` (audio,
+images), ``_common`` (options, the per-request ``_Call``, errors, stream writing).
+"""
+
+from __future__ import annotations
+
+from ._common import FakeOptions
+from ._common import _OptionsPatch as _OptionsPatch  # the tests check that it covers every option
+from ._server import create_app, run, start
+
+__all__ = ["FakeOptions", "create_app", "run", "start"]

@@ -1,0 +1,89 @@
+"""Which tenant a request is: its key (or a trusted header), its band, its models."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+from dispatcher import config as cfg
+from dispatcher.exceptions import ConfigError, InvalidRequest, Unauthorized
+from dispatcher.tenants import Tenants
+
+
+def tenants(monkeypatch: pytest.MonkeyPatch, **api: Any) -> Tenants:
+    monkeypatch.setenv("T_WEB", "web-secret")
+    monkeypatch.setenv("T_LEGACY", "old-1, old-2")
+    return Tenants(cfg.parse({"api": api, "models": [{"id": "qwen3.6:35b", "providers": {"p": "s"}},
+                                                     {"id": "llama3.1:8b", "providers": {"p": "s"}}],
+                              "nodes": [{"id": "n", "providers": [
+                                  {"id": "p", "type": "vllm", "base_url": "http://h:1", "models": ["s"]}]}]}).config)
+
+
+KEYS = [
+    {"name": "web", "key_env": "T_WEB", "priority": "interactive", "models": ["qwen3.6:*"]},
+    {"name": "eval", "key_sha256": hashlib.sha256(b"eval-secret").hexdigest(), "priority": "batch"},
+]
+BANDS = ["interactive", "standard", "batch"]
+
+
+def test_a_key_names_its_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS, api_keys_env="T_LEGACY")
+    assert t.of({"authorization": "Bearer web-secret"}).name == "web"
+    assert t.of({"x-api-key": "eval-secret"}).name == "eval"
+    assert t.of({"authorization": "Bearer old-2"}).name == "default"
+    assert t.of({"authorization": "Bearer old-2"}).band == BANDS.index("standard")
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic web-secret"}):
+        with pytest.raises(Unauthorized):
+            t.of(headers)
+
+
+def test_allow_lists_are_globs(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS)
+    web = t.by_name["web"]
+    assert web.allows("qwen3.6:35b")
+    assert not web.allows("llama3.1:8b")
+    assert t.by_name["eval"].allows("llama3.1:8b")
+
+
+def test_an_open_api_is_the_default_tenant_and_flow_control_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tenants(monkeypatch)
+    assert t.of({}).name == "default"
+    assert not t.flow_control
+
+
+def test_a_trusted_header_names_the_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS, api_keys_env="T_LEGACY", tenant_header="X-Tenant")
+    assert t.of({"authorization": "Bearer old-1", "x-tenant": "eval"}).name == "eval"
+    with pytest.raises(Unauthorized):
+        t.of({"authorization": "Bearer old-1", "x-tenant": "nobody"})
+    with pytest.raises(Unauthorized):  # the header does not replace the key
+        t.of({"x-tenant": "eval"})
+
+
+def test_the_priority_header_only_lowers(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS)
+    web, ev = t.by_name["web"], t.by_name["eval"]
+    assert t.band_for(web, {"x-iop-priority": "batch"}) == 2
+    assert t.band_for(ev, {"x-iop-priority": "interactive"}) == 2
+    with pytest.raises(InvalidRequest):
+        t.band_for(web, {"x-iop-priority": "urgent"})
+
+
+def test_every_tenant_problem_is_reported_with_its_path() -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg.parse({"api": {
+            "priorities": ["hi", "hi"],
+            "keys": [
+                {"name": "a b", "key_env": "X"},
+                {"name": "c", "key_env": "X", "key_sha256": "0" * 64, "priority": "nope", "weight": 0,
+                 "max_queued": 0, "models": ["nothing*"]},
+                {"name": "c", "key_sha256": "xyz"},
+            ],
+        }})
+    text = str(info.value)
+    for path in ("$.api.priorities[1]", "$.api.default_priority", "$.api.keys[0].name", "$.api.keys[1]:",
+                 "$.api.keys[1].priority", "$.api.keys[1].weight", "$.api.keys[1].max_queued",
+                 "$.api.keys[1].models[0]", "$.api.keys[2].name", "$.api.keys[2].key_sha256"):
+        assert path in text, (path, text)

@@ -1,0 +1,194 @@
+"""Real OpenAI-compatible servers nobody here wrote, run as child processes for the tests.
+
+Each lives in a virtualenv of its own under ``.venv-servers/`` (their pins clash with
+iop's), which ``./dev test`` installs once (``install_real_servers`` in ``./dev``):
+
+* ``llamacpp`` -- llama-cpp-python's server (built from its sdist, llama.cpp inside),
+  serving a tiny random-weight GGUF that :mod:`tests.realservers.tiny_gguf` writes;
+* ``litellm``  -- LiteLLM's proxy, every model answered by ``mock_response`` (no upstream).
+
+A kind that is missing, or whose install failed, is skipped with one line saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from iop.processes import Child, wait_http
+from iop.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVERS_DIR = ROOT / ".venv-servers"
+START_TIMEOUT_S = 120.0
+
+# What each kind is, for the skip line.
+WHAT = {"llamacpp": "llama-cpp-python", "litellm": "litellm[proxy]"}
+
+# Served names on llama-cpp-python (one process; it swaps models on demand, and a tiny one
+# loads in milliseconds). Generation and embeddings need two contexts: with embeddings on,
+# a pooled model computes no logits.
+LLAMA_CHAT = "tiny-chat"
+LLAMA_EMBED = "tiny-embed"
+
+# Served names on LiteLLM. ``mock_response`` answers chat, completions, embeddings and the
+# JSON forms of Responses and Messages; LiteLLM 1.77.7 cannot stream those two from a mock
+# (it returns the JSON object where its proxy expects an iterator: a 500). Streams of
+# Responses and Messages therefore go through ``loop-gpt``: LiteLLM's own bridges (Responses
+# and Messages over chat completions) calling LiteLLM's own mocked, streaming chat endpoint.
+LITELLM_GPT = "mock-gpt"
+LITELLM_CLAUDE = "mock-claude"
+LITELLM_EMBED = "mock-embed"
+LITELLM_LOOP = "loop-gpt"
+MOCK_TEXT = "Hello from the LiteLLM mock"
+MOCK_CLAUDE_TEXT = "Hi, the LiteLLM mock speaks Anthropic"
+
+
+def python_of(kind: str) -> Path:
+    return SERVERS_DIR / kind / "bin" / "python"
+
+
+def unavailable(kind: str) -> str | None:
+    """Why the ``kind`` server cannot run here (one line), or None if it is installed."""
+    if os.environ.get("IOP_REAL_SERVERS", "1") == "0":
+        return f"real-server tests: IOP_REAL_SERVERS=0, {WHAT[kind]} not set up"
+    if (SERVERS_DIR / f"{kind}.ok").is_file() and python_of(kind).is_file():
+        return None
+    log = f".venv-servers/{kind}.log"
+    if (SERVERS_DIR / f"{kind}.failed").is_file():
+        verb = "built" if kind == "llamacpp" else "installed"
+        return f"real-server tests: {WHAT[kind]} could not be {verb} (see {log}); those tests skip"
+    return f"real-server tests: {WHAT[kind]} is not installed (./dev test installs it into .venv-servers/{kind})"
+
+
+@dataclass
+class RealServer:
+    kind: str
+    proc: Child
+    port: int
+    # Served model names of this server.
+    models: dict[str, str]
+
+    @property
+    def url(self) -> str:
+        """The server's root (``/v1/...`` lives under it)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.proc.log()
+
+    def stop(self) -> None:
+        self.proc.stop(timeout=15)
+
+
+def _child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
+    return Child(name, argv, env, log_path=log_dir / f"{name}.log", die_with_parent=False)
+
+
+def start_llamacpp(work: Path) -> RealServer:
+    """llama-cpp-python's server on a fresh tiny GGUF, one model for generation and one
+    (the same file) for embeddings."""
+    python = str(python_of("llamacpp"))
+    model = work / "tiny.gguf"
+    subprocess.run([python, str(Path(__file__).with_name("tiny_gguf.py")), str(model)], check=True,
+                   capture_output=True, timeout=120)
+    port = free_port()
+    common: dict[str, Any] = {"model": str(model), "n_ctx": 512, "n_threads": 1, "n_threads_batch": 1,
+                              "seed": 1234, "verbose": False}
+    config = {
+        "host": "127.0.0.1",
+        "port": port,
+        "models": [
+            {**common, "model_alias": LLAMA_CHAT},
+            {**common, "model_alias": LLAMA_EMBED, "embedding": True},
+        ],
+    }
+    config_path = work / "llamacpp.json"
+    config_path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    proc = _child("llamacpp", [python, "-m", "llama_cpp.server", "--config_file", str(config_path)], env, work)
+    proc.start()
+    server = RealServer("llamacpp", proc, port, {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED})
+    try:
+        wait_http(proc, f"{server.url}/v1/models", timeout=START_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def litellm_config(port: int) -> dict[str, Any]:
+    mock = {"api_key": "sk-unused"}
+    return {
+        "model_list": [
+            # rpm/tpm make LiteLLM send x-ratelimit-* headers, which iop must relay.
+            {"model_name": LITELLM_GPT,
+             "litellm_params": {"model": f"openai/{LITELLM_GPT}", **mock, "mock_response": MOCK_TEXT,
+                                "rpm": 100000, "tpm": 100000000}},
+            {"model_name": LITELLM_CLAUDE,
+             "litellm_params": {"model": "anthropic/claude-mock", **mock, "mock_response": MOCK_CLAUDE_TEXT}},
+            {"model_name": LITELLM_EMBED,
+             "litellm_params": {"model": f"openai/{LITELLM_EMBED}", **mock,
+                                "mock_response": [0.25, -0.5, 0.125, 1.0]}},
+            {"model_name": LITELLM_LOOP,
+             "litellm_params": {"model": f"hosted_vllm/{LITELLM_GPT}", **mock,
+                                "api_base": f"http://127.0.0.1:{port}/v1"}},
+        ],
+        "litellm_settings": {"telemetry": False, "drop_params": True},
+    }
+
+
+def start_litellm(work: Path) -> RealServer:
+    """LiteLLM's proxy, every model mocked, no master key (any key is accepted)."""
+    port = free_port()
+    config_path = work / "litellm.yaml"
+    config_path.write_text(yaml.safe_dump(litellm_config(port), sort_keys=False))
+    litellm = str(SERVERS_DIR / "litellm" / "bin" / "litellm")
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        # The cost map otherwise comes from GitHub at import time (unreachable here).
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",
+        "DISABLE_SCHEMA_UPDATE": "True",
+    }
+    for name in ("VIRTUAL_ENV", "DATABASE_URL", "LITELLM_MASTER_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+        env.pop(name, None)
+    proc = _child("litellm", [litellm, "--config", str(config_path), "--host", "127.0.0.1", "--port", str(port),
+                              "--num_workers", "1"], env, work)
+    proc.start()
+    server = RealServer("litellm", proc, port, {"gpt": LITELLM_GPT, "claude": LITELLM_CLAUDE,
+                                                "embed": LITELLM_EMBED, "loop": LITELLM_LOOP})
+    try:
+        wait_http(proc, f"{server.url}/health/liveliness", timeout=START_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def main() -> None:
+    """``python -m tests.realservers.servers KIND DIR``: run one server by hand until Ctrl-C."""
+    kind, work = sys.argv[1], Path(sys.argv[2])
+    work.mkdir(parents=True, exist_ok=True)
+    server = start_llamacpp(work) if kind == "llamacpp" else start_litellm(work)
+    print(f"{kind} on {server.url} (log {work / kind}.log)", flush=True)
+    try:
+        server.proc.wait(timeout=10**9)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
