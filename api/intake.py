@@ -60,6 +60,8 @@ def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
 
 
 def _in_band(request: Request[Any, Any, Any], gw: Gateway, tenant: Tenant, lane: Lane) -> Lane:
+    if len(gw.plans.bands) == 1:
+        return lane
     band = gw.tenants.band_for(tenant, request.headers)
     return lane if band == lane.band else gw.plans.banded(lane, band)
 
@@ -90,7 +92,8 @@ async def take(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tena
         model_id, stream, previous = read_request(body)
     model = _allowed(gw, tenant, model_id)
     stream = spec.always_streams or (stream and spec.can_stream)
-    stored = wrap(RequestEnvelope(body, content_type=content_type, headers=forwarded(request)))
+    headers = forwarded(request) if spec.forwards else {}
+    stored = wrap(RequestEnvelope(body, content_type=content_type, headers=headers))
     if previous is not None and endpoint == RESPONSES:
         provider = await _maker(gw, previous, "previous_response_id")
         lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, provider, previous))

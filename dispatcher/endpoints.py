@@ -43,6 +43,8 @@ class Endpoint:
     # Where the runtime serves it: "v1" (under /v1) or "root" (at the server's root),
     # by provider type; types not named use "v1".
     root_for: frozenset[str] = frozenset()
+    # Caller headers the provider needs (dispatcher/envelope.py FORWARDED_HEADERS) go on.
+    forwards: bool = False
 
     def upstream_path(self, provider_type: str) -> str:
         return f"/{self.name}" if provider_type in self.root_for else f"/v1/{self.name}"
@@ -56,10 +58,10 @@ ENDPOINTS: dict[str, Endpoint] = {
         Endpoint("chat/completions"),
         Endpoint("completions"),
         Endpoint("embeddings", can_stream=False),
-        Endpoint("responses", stream="typed_sse", terminal=_RESPONSE_END),
+        Endpoint("responses", stream="typed_sse", terminal=_RESPONSE_END, forwards=True),
         Endpoint("messages", stream="typed_sse", terminal=frozenset({b"message_stop", b"error"}),
-                 errors="anthropic"),
-        Endpoint("messages/count_tokens", can_stream=False, errors="anthropic"),
+                 errors="anthropic", forwards=True),
+        Endpoint("messages/count_tokens", can_stream=False, errors="anthropic", forwards=True),
         Endpoint("rerank", can_stream=False),
         Endpoint("score", can_stream=False),
         Endpoint("tokenize", can_stream=False, root_for=frozenset({"vllm", "llamacpp"})),

@@ -56,6 +56,7 @@ class Lane:
 
 
 def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
+    """``fair``: flow control is on (``dispatcher/tenants.py``)."""
     node_of = {prov.id: node.id for node, prov in config.providers()}
     index: dict[str, int] = {}
 
@@ -80,7 +81,7 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     if not fair:
         return Plan(keys=tuple(index), spec=msgspec.json.encode(groups))
     head = {"t": pos(keys.TENANTS), "lim": pos(keys.TENANT_LIMITS), "v": pos(keys.VIRTUAL_TIME),
-            "f": pos(keys.FINISH_TAGS)}
+            "f": pos(keys.FINISH_TAGS), "cap": any(k.max_in_flight for k in config.api.keys)}
     return Plan(keys=tuple(index), spec=msgspec.json.encode({"g": groups, **head}))
 
 

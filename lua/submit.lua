@@ -45,10 +45,19 @@ if FAIR ~= nil then
     return {'tenant_full', 0, 0, now}
   end
   -- Start-time fair queuing (lib/pump.lua): the tag, and where the tenant's next one starts.
+  -- A tenant with nothing waiting starts again from V: requests of its that left unserved
+  -- (cancelled, timed out) are not charged to it. (Its last served tag is at most V, so its
+  -- order is kept.)
+  local weight = tonumber(ARGV[15])
   ftag = QUEUE .. '\t' .. tenant
   old_f = redis.call('HGET', FAIR.f, ftag)
-  score = math.max(tonumber(redis.call('HGET', FAIR.v, QUEUE) or '0') or 0, tonumber(old_f or '0') or 0)
-  redis.call('HSET', FAIR.f, ftag, num(score + 1 / tonumber(ARGV[15])))
+  local v = tonumber(redis.call('HGET', FAIR.v, QUEUE) or '0') or 0
+  local f = tonumber(old_f or '0') or 0
+  if (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant .. ':' .. model) or '0') or 0) == 0 then
+    f = math.min(f, v + 1 / weight)
+  end
+  score = math.max(v, f)
+  redis.call('HSET', FAIR.f, ftag, num(score + 1 / weight))
 end
 local seq = redis.call('INCR', SEQ)
 local deadline = now + timeout_ms

@@ -5,12 +5,13 @@
 --   KEYS[5] fence counter  one INCR per dispatch (floored at 10 x server ms): the fencing token
 --   ARGV[1] plan: JSON list of lanes {"m": model, "l": lane, "q": qkey, "c": [[provider, served, pkey, nkey, node], ...]}
 --           where qkey/pkey/nkey are key positions relative to ARGV[2]; or, with flow control
---           (tenants, bands), {"g": [lane, ...], "t": tkey, "lim": lkey, "v": vkey, "f": fkey}
+--           (tenants, bands), {"g": [lane, ...], "t": tkey, "lim": lkey, "v": vkey, "f": fkey, "cap": bool}
 --           where each lane also has "b", its band's rank (0 first), and
 --             tkey  tenants hash: q:<tenant>[:<model>] waiting, r:<tenant>[:<model>] running
 --             lkey  tenant limits hash: <tenant> -> max_in_flight
 --             vkey  virtual time hash: lane queue key -> the tag of its last dispatch
 --             fkey  finish tag hash: lane queue key \t tenant -> where its next job's tag starts
+--             cap   some tenant has a max_in_flight (else no job's tenant is looked at)
 --   ARGV[2] offset of the plan's keys in KEYS
 --   ARGV[3] lease ms given to a fresh dispatch
 --
@@ -164,19 +165,26 @@ local function pump(now)
     return vtime[qkey]
   end
 
+  local function may_run(job)
+    if not PLAN.cap then return true end  -- no tenant has a max_in_flight
+    local t = tenant(tenant_of(job))
+    return t.lim == nil or t.run < t.lim
+  end
+
   -- The first waiting job of a lane (by tag) whose tenant may run one more, dropping
-  -- expired ones on the way.
+  -- expired ones on the way. Only when the head's tenant is at its max_in_flight does it
+  -- look further (the lane's first SCAN jobs).
   local function fair_head(g)
     local qkey = KEYS[base + g.q]
-    local h = redis.call('ZRANGE', qkey, 0, SCAN - 1, 'WITHSCORES')
+    local job, tag = head(g)
+    if job == nil or may_run(job) then return job, tag end
+    local h = redis.call('ZRANGE', qkey, 1, SCAN - 1, 'WITHSCORES')
     for i = 1, #h, 2 do
-      local job = h[i]
-      local dl = tonumber(redis.call('ZSCORE', DEADLINES, job))
+      local dl = tonumber(redis.call('ZSCORE', DEADLINES, h[i]))
       if dl ~= nil and dl <= now then
-        expire(qkey, job)
-      else
-        local t = tenant(tenant_of(job))
-        if t.lim == nil or t.run < t.lim then return job, tonumber(h[i + 1]) end
+        expire(qkey, h[i])
+      elseif may_run(h[i]) then
+        return h[i], tonumber(h[i + 1])
       end
     end
     return nil

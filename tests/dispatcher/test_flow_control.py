@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from dispatcher import config as cfg
 from dispatcher import keys
 from dispatcher.plans import Plans
+from dispatcher.protocol import CancelReason
 from dispatcher.tenants import Tenant, Tenants, flow_control
 from tests.dispatcher.test_scripts import Harness
 
@@ -203,3 +204,18 @@ async def test_counters_come_back_to_zero(fair: Any) -> None:
     assert await h.counters() == {}
     for pid in ("p0", "p1"):
         assert await h.in_flight(pid) == 0
+
+
+async def test_requests_that_left_unserved_are_not_charged_to_their_tenant(fair: Any) -> None:
+    h = await fair(fc_config({"a": {}, "b": {}, "c": {}}))
+    gone = [(await h.send("a"))[0] for _ in range(50)]
+    for _ in range(30):
+        await h.send("b")
+        await h.send("c")
+    for job in gone[1:]:  # the first was dispatched at once; the rest give up waiting
+        assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "removed"
+    _, status = await h.send("a")
+    assert status == "queued"
+    # a is a newcomer again, not behind 49 requests it never got served.
+    order = await drain(h, 3)
+    assert "a" in order, order

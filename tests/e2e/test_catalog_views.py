@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -189,7 +190,7 @@ def test_cli_reports_an_unreachable_api(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
-def test_ui_page_shows_the_catalog(system: System) -> None:
+def test_ui_page_shows_the_catalog(system: System, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -227,6 +228,19 @@ def test_ui_page_shows_the_catalog(system: System) -> None:
             assert busy.locator("[data-testid=queued]").inner_text() == "2"
             pool = page.locator("[data-testid=model][data-model=pool]")
             assert pool.locator("[data-testid=candidate]").count() == 3
+            # What a person sees: the page rendered, its tables laid out with real sizes.
+            shot = tmp_path / "ui.png"
+            page.screenshot(path=str(shot), full_page=True)
+            png = shot.read_bytes()
+            assert png[:8] == b"\x89PNG\r\n\x1a\n"
+            width, height = struct.unpack(">II", png[16:24])
+            assert width >= 800, width
+            assert height >= 400, height
+            for table in page.locator("table:visible").all():
+                box = table.bounding_box()
+                assert box is not None
+                assert box["width"] > 100, box
+                assert box["height"] > 20, box
             # It refreshes by itself: a change in Redis shows up without a reload.
             system.fakes["up"].control(healthy=False)
             up_health = "document.querySelector('[data-provider=up] [data-testid=health]').textContent"
