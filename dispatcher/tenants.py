@@ -11,6 +11,7 @@ Otherwise dispatch is the plain FIFO it always was, at the same cost.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from fnmatch import fnmatchcase
 
 from dispatcher.config import DEFAULT_TENANT, Config
 from dispatcher.exceptions import InvalidRequest, Unauthorized
+
+log = logging.getLogger("iop.tenants")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,9 @@ class Tenants:
                 value = os.environ.get(key.key_env, "").strip()
                 if value:
                     self._digests[_digest(value.encode())] = key.name
+                else:
+                    log.warning("tenant %s has no key: environment variable %s is unset or empty", key.name,
+                                key.key_env)
         if api.api_keys_env:
             for value in os.environ.get(api.api_keys_env, "").split(","):
                 if value.strip():

@@ -87,3 +87,14 @@ def test_every_tenant_problem_is_reported_with_its_path() -> None:
                  "$.api.keys[1].priority", "$.api.keys[1].weight", "$.api.keys[1].max_queued",
                  "$.api.keys[1].models[0]", "$.api.keys[2].name", "$.api.keys[2].key_sha256"):
         assert path in text, (path, text)
+
+
+def test_a_key_whose_variable_is_unset_is_named_in_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("T_MISSING", raising=False)
+    with caplog.at_level("WARNING", logger="iop.tenants"):
+        t = tenants(monkeypatch, keys=[*KEYS, {"name": "ghost", "key_env": "T_MISSING"}], priorities=BANDS)
+    assert "tenant ghost has no key: environment variable T_MISSING is unset" in caplog.text
+    with pytest.raises(Unauthorized):
+        t.of({"authorization": "Bearer "})
