@@ -117,6 +117,10 @@ class Assignment(msgspec.Struct, frozen=True):
     def queue_ms(self) -> int:
         return self.dispatched_ms - self.submitted_ms
 
+    def log_context(self) -> dict[str, str]:
+        """The job's fields for a log record (``iop/logs.py`` puts them in JSON lines)."""
+        return {"job": self.job, "model": self.model, "provider": self.provider}
+
     @classmethod
     def from_entry(cls, entry_id: bytes | str, fields: dict[bytes, bytes] | list[bytes]) -> Assignment:
         """From a node stream entry, its fields as a mapping or as the flat list Redis sends."""

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError
+from iop.logs import FORMATS
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
 
@@ -74,7 +75,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     from iop.serve import serve_api
 
     config = _load(args.config)  # report config problems here, not in every server process
-    serve_api(config, args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
+    serve_api(config, args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level,
+              log_format=args.log_format)
     return 0
 
 
@@ -86,7 +88,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         known = ", ".join(n.id for n in config.nodes) or "none"
         print(f"{args.config}: no node {args.node!r} (nodes: {known})", file=sys.stderr)
         return 2
-    serve_worker(config, args.node, log_level=args.log_level)
+    serve_worker(config, args.node, log_level=args.log_level, log_format=args.log_format)
     return 0
 
 
@@ -95,6 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     config_path = args.config or str(DEMO_CONFIG)
     config = _load(config_path)
+    if args.log_format:
+        os.environ["IOP_LOG_FORMAT"] = args.log_format  # its API and workers inherit it
     return run_up(config, config_path, host=args.host, port=args.port, api_workers=args.api_workers)
 
 
@@ -127,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--api-workers", type=int, default=1, help="API processes")
+    up.add_argument("--log-format", choices=FORMATS, help="text (default) or json: one object per line")
     up.set_defaults(func=cmd_up)
 
     api = sub.add_parser("api", help="run API processes")
@@ -135,12 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=8080)
     api.add_argument("--workers", type=int, default=1, help="API processes sharing the port")
     api.add_argument("--log-level", default="info")
+    api.add_argument("--log-format", choices=FORMATS, help="text (default) or json: one object per line")
     api.set_defaults(func=cmd_api)
 
     worker = sub.add_parser("worker", help="run one node's worker")
     worker.add_argument("--config", required=True)
     worker.add_argument("--node", required=True, help="the node id (nodes[].id) this worker serves")
     worker.add_argument("--log-level", default="info")
+    worker.add_argument("--log-format", choices=FORMATS, help="text (default) or json: one object per line")
     worker.set_defaults(func=cmd_worker)
 
     config = sub.add_parser("config", help="config tools")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -12,17 +11,18 @@ from typing import cast
 
 import anyio
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from api.http_protocol import limited_protocol
 from dispatcher.config import Config
+from iop import logs
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def serve_api(config: Config, config_path: str, *, host: str, port: int, workers: int, log_level: str) -> None:
-    configure_logging(log_level)
+def serve_api(
+    config: Config, config_path: str, *, host: str, port: int, workers: int, log_level: str,
+    log_format: str | None = None,
+) -> None:
+    logs.configure(log_level, log_format, role="api")
     # Server processes (one or many) build the app from this file.
     os.environ["IOP_CONFIG"] = os.path.abspath(config_path)
     # uvicorn only calls what `http` names, so a factory serves, though its type asks for a class.
@@ -38,6 +38,7 @@ def serve_api(config: Config, config_path: str, *, host: str, port: int, workers
             loop="uvloop",
             http=http,
             log_level=log_level,
+            log_config=logs.uvicorn_config(log_level) or LOGGING_CONFIG,
             access_log=False,
             timeout_graceful_shutdown=10,
         )
@@ -58,8 +59,8 @@ def _metrics_dir(workers: int) -> Iterator[None]:
             del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
-def serve_worker(config: Config, node_id: str, *, log_level: str) -> None:
+def serve_worker(config: Config, node_id: str, *, log_level: str, log_format: str | None = None) -> None:
     from workers.worker import Worker
 
-    configure_logging(log_level)
+    logs.configure(log_level, log_format, role="worker")
     anyio.run(Worker(config, node_id).run, backend_options={"use_uvloop": True})

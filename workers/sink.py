@@ -87,7 +87,8 @@ class RedisSink:
             now = time.monotonic()
             if self._failing_since is None:
                 self._failing_since = now
-                log.warning("job %s: Redis away (%s); holding its output", self.job.job, exc)
+                log.warning("job %s: Redis away (%s); holding its output", self.job.job, exc,
+                            extra=self.job.log_context())
             self._retry_at = now + RETRY_EVERY_S
             self._check_bounds()
 

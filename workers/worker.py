@@ -246,7 +246,8 @@ class Worker:
                     continue
                 found_id, fields = cast(tuple[bytes, dict[bytes, bytes]], entries[0])
                 job = Assignment.from_entry(found_id, fields)
-                log.warning("job %s: delivered here but not running (a lost finish?); handing it back", job.job)
+                log.warning("job %s: delivered here but not running (a lost finish?); handing it back", job.job,
+                            extra=job.log_context())
                 await self._hand_back(job)
         except RedisError as exc:
             log.info("could not look for lost finishes: %s", exc)
@@ -324,7 +325,7 @@ class Worker:
                 final = None
         except Exception:
             # One job's failure must not take down the task group, and every other job with it.
-            log.exception("job %s: unexpected failure", job.job)
+            log.exception("job %s: unexpected failure", job.job, extra=job.log_context())
             final = Failed.from_error(ProviderUnreachable("internal error in the worker"), sink.meta)
         finally:
             with anyio.CancelScope(shield=True):
@@ -367,7 +368,7 @@ class Worker:
                 return Failed.from_error(exc, sink.meta)
             except RedisError as exc:
                 # The sink held the output as long as it could (see workers/sink.py).
-                log.warning("job %s: %s", job.job, exc)
+                log.warning("job %s: %s", job.job, exc, extra=job.log_context())
                 sink.discard()
                 return Failed.from_error(WorkerLost("the worker lost Redis while streaming"), sink.meta)
         return None
@@ -389,18 +390,19 @@ class Worker:
                 outcome = await self.side.finish(job, data, mode=mode)
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
-                    log.info("job %s %s: %s", job.job, why, outcome)
+                    log.info("job %s %s: %s", job.job, why, outcome, extra=job.log_context())
                 return
             except JobAborted as exc:
                 # The client left (or the job was taken over) before its output was written.
-                log.info("job %s: %s before its output was written", job.job, exc.reason)
+                log.info("job %s: %s before its output was written", job.job, exc.reason, extra=job.log_context())
                 data = None
             except RedisError as exc:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - failing_since > self._hold_s:
                     # The lease runs out and the reaper settles the job instead.
-                    log.error("job %s: could not release (%s); leaving it to the lease", job.job, exc)
+                    log.error("job %s: could not release (%s); leaving it to the lease", job.job, exc,
+                              extra=job.log_context())
                     return
                 await backoff.sleep()
 
@@ -469,7 +471,7 @@ class Worker:
             for abort in aborts:
                 running = self.running.get((abort.job, abort.fence))
                 if running is not None:
-                    log.info("job %s: aborting (%s)", abort.job, abort.reason)
+                    log.info("job %s: aborting (%s)", abort.job, abort.reason, extra=running.job.log_context())
                     running.abort(abort.reason)
 
     # --- providers ----------------------------------------------------------------------------
