@@ -659,7 +659,7 @@ def check_dockerfile(text: str) -> None:
 
 def check_dockerignore(text: str) -> None:
     patterns = dockerignore_patterns(text)
-    for path in (".venv/bin/python", ".git/HEAD", "dispatcher/__pycache__",
+    for path in (".venv/bin/python", ".venv-servers/litellm/bin/python", ".git/HEAD", "dispatcher/__pycache__",
                  ".pytest_cache/v/cache", ".mypy_cache/3.11/x.json", ".ruff_cache/CACHEDIR.TAG"):
         assert dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
     for path in ("pyproject.toml", "README.md", "lua/submit.lua", "deploy/iop.yaml", "iop/cli.py",
