@@ -49,18 +49,16 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import uvloop
-import yaml
-from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from bench.stack import Stack, markdown_table, percentile, write_section
@@ -134,23 +132,10 @@ class FairStack(Stack):
 
     def __enter__(self) -> FairStack:
         cfg.parse(self.config())  # a config mistake fails here, not in a child process
-        try:
-            self._start()
-        except BaseException:
-            self.__exit__()
-            raise
+        super().__enter__()
         return self
 
-    def _start(self) -> None:
-        self.redis_server.start()
-        self.redis = SyncRedis.from_url(self.redis_server.url)
-        config_path = self.dir / "iop.yaml"
-        config_path.write_text(yaml.safe_dump(self.config()))
-        env = {**os.environ, "IOP_REDIS_URL": self.redis_server.url}
-        for name, args in self.fakes.items():
-            fake = self._spawn(f"fake-{name}", ["fake-provider", "--port", str(self.ports[name]),
-                                                "--models", f"served-{name}", *args], env)
-            wait_port(fake, "127.0.0.1", self.ports[name])
+    def _start_iop(self, config_path: Path, env: dict[str, str]) -> None:
         for name in self.fakes:
             self._spawn(f"worker-{name}", ["worker", "--config", str(config_path), "--node", f"n-{name}",
                                            "--log-level", "warning"], env)  # n-<name>: see nodes()
@@ -159,13 +144,6 @@ class FairStack(Stack):
                 for i, port in enumerate(self.api_ports)]
         for api, port in zip(apis, self.api_ports, strict=True):
             wait_port(api, "127.0.0.1", port)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            states = [self.redis.hget(keys.provider(f"p-{name}"), "health") for name in self.fakes]
-            if all(s == b"available" for s in states):
-                return
-            time.sleep(0.05)
-        raise TimeoutError("providers did not become available")
 
 
 def stack(service_ms: int, tenants: list[dict[str, Any]], priorities: list[str] | None = None,

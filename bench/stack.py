@@ -81,6 +81,14 @@ class Stack:
         }
 
     def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
         self.redis_server.start()
         self.redis = Redis.from_url(self.redis_server.url)
         config_path = self.dir / "iop.yaml"
@@ -90,17 +98,21 @@ class Stack:
             fake = self._spawn(f"fake-{name}", ["fake-provider", "--port", str(self.ports[name]),
                                                 "--models", f"served-{name}", *args], env)
             wait_port(fake, "127.0.0.1", self.ports[name])
-        self._spawn("worker", ["worker", "--config", str(config_path), "--node", "n1", "--log-level", "warning"], env)
-        api = self._spawn("api", ["api", "--config", str(config_path), "--port", str(self.api_port),
-                                  "--workers", str(self.api_workers), "--log-level", "warning"], env)
-        wait_port(api, "127.0.0.1", self.api_port)
+        self._start_iop(config_path, env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             states = [self.redis.hget(f"{{iop}}:p:p-{name}", "health") for name in self.fakes]
             if all(s == b"available" for s in states):
-                return self
+                return
             time.sleep(0.05)
         raise TimeoutError("providers did not become available")
+
+    def _start_iop(self, config_path: Path, env: dict[str, str]) -> None:
+        """The worker and the API processes, once the fakes listen."""
+        self._spawn("worker", ["worker", "--config", str(config_path), "--node", "n1", "--log-level", "warning"], env)
+        api = self._spawn("api", ["api", "--config", str(config_path), "--port", str(self.api_port),
+                                  "--workers", str(self.api_workers), "--log-level", "warning"], env)
+        wait_port(api, "127.0.0.1", self.api_port)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
         child = Child(name, [sys.executable, "-m", "iop", *args], env, log_path=self.dir / f"{name}.log").start()
@@ -109,7 +121,8 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         stop_all(reversed(self.procs), timeout=20)
-        self.redis.close()
+        if hasattr(self, "redis"):
+            self.redis.close()
         self.redis_server.close()
 
     def pid(self, name: str) -> int:
