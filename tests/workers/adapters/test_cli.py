@@ -11,7 +11,6 @@ import signal
 import stat
 import sys
 import textwrap
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 
 from dispatcher.config import ProviderConfig
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
+from tests.workers.adapters.recording import RecordingSink
 from workers.adapters import cli
 from workers.adapters.base import ProbeResult, ProviderCall
 from workers.adapters.cli import CliAdapter
@@ -48,51 +48,6 @@ SLEEP_FOREVER = script(
     time.sleep(1000)
     """
 )
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.events: list[str] = []
-        self.started: list[int] = []
-        self.payloads: list[bytes] = []
-        self.answer: tuple[int, bytes, str] | None = None
-        self.got_chunk = anyio.Event()
-
-    async def start(self, status: int, content_type: str = "text/event-stream",
-                    headers: Mapping[str, str] | None = None) -> None:
-        self.events.append("start")
-        self.started.append(status)
-        self.headers = dict(headers or {})
-
-    async def chunks(self, payloads: list[bytes]) -> None:
-        self.events.append("chunks")
-        self.payloads.extend(payloads)
-        self.got_chunk.set()
-
-    async def done(self, status: int, body: bytes, content_type: str,
-                   headers: Mapping[str, str] | None = None) -> None:
-        self.events.append("done")
-        self.answer = (status, body, content_type)
-        self.headers = dict(headers or {})
-
-    def ended(self, upstream_done: bool) -> None:
-        self.events.append("ended" if upstream_done else "ended without [DONE]")
-
-    @property
-    def objects(self) -> list[dict[str, Any]]:
-        return [json.loads(p) for p in self.payloads]
-
-    def json(self) -> dict[str, Any]:
-        assert self.answer is not None
-        result: dict[str, Any] = json.loads(self.answer[1])
-        return result
-
-    def streamed_text(self) -> str:
-        parts = []
-        for obj in self.objects:
-            for choice in obj["choices"]:
-                parts.append(choice["delta"].get("content") or "" if "delta" in choice else choice["text"])
-        return "".join(parts)
 
 
 def provider(command: list[str], timeout_s: float = 30.0, **extra: Any) -> ProviderConfig:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from dispatcher.config import ProviderConfig, normalise_base_url, parse
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
+from tests.workers.adapters.recording import RecordingSink
 from workers.adapters import openai_http
 from workers.adapters.base import ProbeResult, ProviderCall, passed_headers
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
@@ -32,50 +33,6 @@ EVENTUALLY_S = 10.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class RecordingSink:
-    """Records what the adapter reports; ``on_first_chunk`` runs inside the first ``chunks()``."""
-
-    def __init__(self, on_first_chunk: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.events: list[str] = []
-        self.started: list[int] = []
-        self.payloads: list[bytes] = []
-        self.answer: tuple[int, bytes, str] | None = None
-        self.got_chunk = asyncio.Event()
-        self._on_first_chunk = on_first_chunk
-
-    async def start(self, status: int, content_type: str = "text/event-stream",
-                    headers: Mapping[str, str] | None = None) -> None:
-        self.events.append("start")
-        self.started.append(status)
-        self.headers = dict(headers or {})
-
-    async def chunks(self, payloads: list[bytes]) -> None:
-        self.events.append("chunks")
-        self.payloads.extend(payloads)
-        if not self.got_chunk.is_set():
-            self.got_chunk.set()
-            if self._on_first_chunk is not None:
-                await self._on_first_chunk()
-
-    async def done(self, status: int, body: bytes, content_type: str,
-                   headers: Mapping[str, str] | None = None) -> None:
-        self.events.append("done")
-        self.answer = (status, body, content_type)
-        self.headers = dict(headers or {})
-
-    def ended(self, upstream_done: bool) -> None:
-        self.events.append("ended" if upstream_done else "ended without [DONE]")
-
-    @property
-    def objects(self) -> list[dict[str, Any]]:
-        return [json.loads(p) for p in self.payloads]
-
-    def json(self) -> dict[str, Any]:
-        assert self.answer is not None
-        result: dict[str, Any] = json.loads(self.answer[1])
-        return result
 
 
 @dataclass
