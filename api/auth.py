@@ -21,7 +21,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from dispatcher.exceptions import Unauthorized
-from dispatcher.tenants import Tenants
+from dispatcher.tenants import Tenants, presented_key
 
 
 def load_keys(env_name: str | None) -> list[bytes] | None:
@@ -48,11 +48,7 @@ class KeyGuard:
             if self.tenants is not None:
                 self.tenants.of(headers)
             return
-        header = headers.get("authorization", "")
-        scheme, _sep, token = header.partition(" ")
-        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not presented:
-            presented = headers.get("x-api-key", "").strip().encode()
+        presented = presented_key(headers)
         # Compare against every key, whatever matches, so timing says nothing about which.
         ok = False
         for key in self.keys:

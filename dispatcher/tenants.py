@@ -114,15 +114,18 @@ class Tenants:
         return {t.name: t.max_in_flight for t in self.by_name.values() if t.max_in_flight}
 
     def _by_key(self, headers: Mapping[str, str]) -> Tenant:
-        header = headers.get("authorization", "")
-        scheme, _sep, token = header.partition(" ")
-        presented = token.strip() if scheme.lower() == "bearer" else ""
-        if not presented:
-            presented = headers.get("x-api-key", "").strip()
-        name = self._digests.get(_digest(presented.encode())) if presented else None
+        presented = presented_key(headers)
+        name = self._digests.get(_digest(presented)) if presented else None
         if name is None:
             raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
         return self.by_name[name]
+
+
+def presented_key(headers: Mapping[str, str]) -> bytes:
+    """The key of ``Authorization: Bearer <key>``, else of ``x-api-key`` (Anthropic's clients); b"" if none."""
+    scheme, _sep, token = headers.get("authorization", "").partition(" ")
+    presented = token.strip() if scheme.lower() == "bearer" else ""
+    return (presented or headers.get("x-api-key", "").strip()).encode()
 
 
 def _digest(key: bytes) -> bytes:
