@@ -21,7 +21,7 @@ RUN python -m venv /opt/venv
 
 COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip \
-    /opt/venv/bin/pip install /src
+    /opt/venv/bin/pip install "/src[otel]"
 
 # ---------------------------------------------------------------- runtime stage
 FROM python:3.11-slim

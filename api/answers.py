@@ -20,7 +20,7 @@ from api.metrics import RequestClock
 from api.waiting import JobWait
 from dispatcher import events
 from dispatcher.endpoints import Endpoint
-from dispatcher.events import Chunks, Done, End, Failed, Meta, Start
+from dispatcher.events import Chunks, Done, End, Failed, Meta, Start, Usage
 from dispatcher.exceptions import (
     JobCancelled,
     ProviderRejected,
@@ -109,6 +109,7 @@ async def _stream(
     framing: Framing,
 ) -> AsyncIterator[bytes]:
     status = JobCancelled.status  # unless the stream reaches its end
+    usage: Usage | None = None  # the provider's token counts, given with the end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
     wait.output_started = True
     try:
@@ -132,6 +133,7 @@ async def _stream(
                         clock.first_byte()
             elif isinstance(event, End):
                 status = 200
+                usage = event.usage
                 end = framing.end(event)
                 if end:
                     yield end
@@ -150,7 +152,7 @@ async def _stream(
                 yield framing.error(exc)
                 return
     finally:
-        clock.done(status)
+        clock.done(status, usage)
         release()
         wait.close()
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from litestar import Litestar
+from litestar.connection import ASGIConnection
 from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
-from api.auth import admin_guard
+from api.control import control_router
 from api.errors import HANDLERS
-from api.gateway import Gateway
+from api.gateway import Gateway, reload_on_hangup
 from api.openapi import document_requests
 from api.operator import OPEN_HANDLERS, operator_router
 from api.routes import healthz, readyz, v1_router
@@ -23,19 +26,26 @@ from dispatcher import config as cfg
 def create_app(config: cfg.Config | None = None) -> Litestar:
     if config is None:
         config = cfg.load(os.environ["IOP_CONFIG"]).logged()
-    gateway = Gateway(config)
+        gateway = Gateway(config, os.environ["IOP_CONFIG"])
+    else:
+        gateway = Gateway(config)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await gateway.start()
         try:
-            yield
+            with reload_on_hangup(gateway):
+                yield
         finally:
             await gateway.close()
 
-    guard = admin_guard(config.api.admin_keys_env, gateway.tenants)
+    # Asks the gateway each time: a reload may change the keys.
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        gateway.admin.check(connection.headers)
+
     app = Litestar(
-        route_handlers=[v1_router(), operator_router([guard]), *OPEN_HANDLERS, healthz, readyz],
+        route_handlers=[v1_router(), operator_router([guard]), control_router([guard]), *OPEN_HANDLERS, healthz,
+                        readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
         exception_handlers=HANDLERS,  # type: ignore[arg-type]

@@ -4,26 +4,30 @@ and the background loops that keep it registered and Redis tidy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
+import signal
 import socket
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from api.auth import admin_guard
 from api.metrics import RequestMetrics
 from api.streams import StreamSlots
 from api.waiting import ReplyReader
-from dispatcher import keys
+from dispatcher import keys, tracing
 from dispatcher.api_side import ApiSide
 from dispatcher.config import Config
 from dispatcher.plans import Plans
 from dispatcher.protocol import ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
+from dispatcher.reloading import describe_changes, reread
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenants
 
@@ -31,27 +35,59 @@ log = logging.getLogger("iop.api")
 
 
 class Gateway:
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    """``config_path``: the file a reload (``SIGHUP``) reads again; None: no reloads."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config_path = config_path
         self.replica_id = f"api-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.clients = Clients.open(config.redis)
         self.redis = self.clients.control
         self.scripts = Scripts(self.redis, self.clients.fast)
-        self.plans = Plans(config)
-        calls = ScriptCalls(self.scripts, config, self.plans)
-        self.jobs = ApiSide(calls, self.redis, self.replica_id)
         self.replies = ReplyReader(self.clients.blocking, keys.reply(self.replica_id))
-        self.reaper = Reaper(calls, self.redis, self.replica_id)
-        self.models = {m.id: m for m in config.models}
         self.metrics = RequestMetrics()
-        self.tenants = Tenants(config)
         self.streams = StreamSlots(config.api.max_streams)
+        calls = ScriptCalls(self.scripts, config, Plans(config))
+        self.jobs = ApiSide(calls, self.redis, self.replica_id)
+        self.reaper = Reaper(calls, self.redis, self.replica_id)
+        self._apply(config, calls)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Job ids: a random prefix per process and a counter, unique without a syscall each.
         self._job_prefix = secrets.token_hex(8)
         self._job_counter = itertools.count()
         self._loops: list[asyncio.Task[None]] = []
         self._closing = False
+
+    def _apply(self, config: Config, calls: ScriptCalls | None = None) -> None:
+        """Everything derived from the config, replaced attribute by attribute: a request
+        in flight keeps what it already read (its model, its lane) and finishes with it."""
+        calls = calls or ScriptCalls(self.scripts, config, Plans(config))
+        self.plans = calls.plans
+        self.jobs.calls = calls
+        self.reaper.use(calls)
+        self.models = {m.id: m for m in config.models}
+        self.tenants = Tenants(config)
+        self.admin = admin_guard(config.api.admin_keys_env, self.tenants)
+        self.streams.limit = config.api.max_streams
+        self.config = config
+
+    async def reload(self) -> bool:
+        """Read the config file again and switch to it (``dispatcher/reloading.py``); False
+        if there is no file or it is refused."""
+        if self.config_path is None:
+            log.warning("reload: this API process was not started from a config file")
+            return False
+        new = reread(self.config_path, self.config)
+        if new is None:
+            return False
+        before = self.config
+        self._apply(new)
+        if self.tenants.flow_control:
+            try:
+                await self.publish_limits()
+            except RedisError as exc:
+                log.warning("reload: could not publish the tenants' limits: %s", exc)
+        log.info("reload: %s applied (%s)", self.config_path, describe_changes(before, new))
+        return True
 
     def next_job_id(self) -> str:
         return f"{self._job_prefix}{next(self._job_counter):x}"
@@ -87,6 +123,7 @@ class Gateway:
             asyncio.create_task(self._heartbeat_loop(), name="iop-replica-heartbeat"),
             asyncio.create_task(self.reaper.run_forever(), name="iop-reaper"),
         ]
+        tracing.setup(self.config, "api")
         log.info("API replica %s started", self.replica_id)
 
     async def close(self) -> None:
@@ -101,6 +138,7 @@ class Gateway:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
         await self.clients.aclose()
+        await asyncio.to_thread(tracing.shutdown)  # its last export may wait on the collector
 
     async def ready(self) -> tuple[bool, str]:
         try:
@@ -121,3 +159,21 @@ class Gateway:
             except RedisError as exc:
                 log.warning("replica heartbeat failed: %s", exc)
             await asyncio.sleep(period)
+
+
+@contextlib.contextmanager
+def reload_on_hangup(gw: Gateway) -> Iterator[None]:
+    """While serving, ``SIGHUP`` reloads the config file (a process serving from one, whose
+    loop runs on the main thread: an app run by a test client in a thread takes none)."""
+    loop = asyncio.get_running_loop()
+    try:
+        if gw.config_path is None:
+            raise ValueError("no config file")
+        loop.add_signal_handler(signal.SIGHUP, lambda: gw.spawn(gw.reload()))
+    except (ValueError, RuntimeError, NotImplementedError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)

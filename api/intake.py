@@ -74,8 +74,11 @@ async def read_body(request: Request[Any, Any, Any], gw: Gateway) -> bytes:
         raise RequestTimeout("The request body did not arrive in time") from None
 
 
-async def take(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tenant: Tenant) -> Intake:
-    """A POST whose body names its model."""
+async def take(
+    request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tenant: Tenant, traceparent: str = ""
+) -> Intake:
+    """A POST whose body names its model. ``traceparent``: of the request's span, for the
+    worker's (dispatcher/tracing.py)."""
     body = await read_body(request, gw)
     spec = ENDPOINTS[endpoint]
     content_type = request.headers.get("content-type", JSON)
@@ -93,7 +96,7 @@ async def take(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tena
     model = _allowed(gw, tenant, model_id)
     stream = spec.always_streams or (stream and spec.can_stream)
     headers = forwarded(request) if spec.forwards else {}
-    stored = wrap(RequestEnvelope(body, content_type=content_type, headers=headers))
+    stored = wrap(RequestEnvelope(body, content_type=content_type, headers=headers, traceparent=traceparent))
     if previous is not None and endpoint == RESPONSES:
         provider = await _maker(gw, previous, "previous_response_id")
         lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, provider, previous))
@@ -105,7 +108,7 @@ async def take(request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tena
 
 
 async def take_stored(
-    request: Request[Any, Any, Any], gw: Gateway, response_id: str, rest: str, tenant: Tenant
+    request: Request[Any, Any, Any], gw: Gateway, response_id: str, rest: str, tenant: Tenant, traceparent: str = ""
 ) -> Intake:
     """A call on a stored Response (``GET/DELETE /v1/responses/{id}``, ``.../cancel``,
     ``.../input_items``): to the provider that made it, for the model it was made with."""
@@ -120,7 +123,7 @@ async def take_stored(
     path = f"{RESPONSES}/{response_id}{rest}"
     if request.url.query:
         path += f"?{request.url.query}"
-    envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request))
+    envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request), traceparent)
     lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, stored.provider, response_id))
     return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant)
 

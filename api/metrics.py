@@ -2,12 +2,13 @@
 
 Two kinds:
 
-* **Global gauges** -- provider in_flight, capacity and health, queued jobs and the
-  oldest wait per model group, and with flow control each configured tenant's queued jobs
+* **Global gauges** -- provider in_flight, capacity, health and completion tokens per
+  second, queued jobs and the oldest wait per model group, and with flow control each configured tenant's queued jobs
   per model group and running jobs -- are read from Redis at scrape time, so every replica
   reports the same values (aggregate them with ``max``, not ``sum``).
 * **Per-process counters and histograms** -- requests by model, provider, status and
-  tenant, request latency, queue wait (by model and tenant), streams' time to first
+  tenant, tokens (prompt and completion, as providers report them in ``usage``) by the
+  same labels, request latency, queue wait (by model and tenant), streams' time to first
   byte. Tenant labels are configured key names (and ``default``) only: bounded. When ``iop api --workers N``
   runs several processes on one port, each writes to ``PROMETHEUS_MULTIPROC_DIR``
   (prometheus_client's multiprocess mode, set up by ``iop api``) and a scrape of any of
@@ -27,6 +28,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from dispatcher.catalog import Catalog
+from dispatcher.events import Usage
+from dispatcher.tracing import RequestTrace
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -53,6 +56,10 @@ class RequestMetrics:
             "iop_stream_first_byte_seconds", "Time from request to the first streamed chunk",
             ["model", "provider"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.tokens = Counter(
+            "iop_tokens", "Tokens of the answers, as their providers reported them: kind prompt or completion",
+            ["model", "provider", "kind", "tenant"], registry=self.registry,
+        )
 
     def render(self, catalog: Catalog | None) -> bytes:
         if self.multiprocess:
@@ -71,7 +78,7 @@ class RequestMetrics:
 class RequestClock:
     """Times one request and records it exactly once."""
 
-    __slots__ = ("_done", "metrics", "model", "provider", "started", "tenant")
+    __slots__ = ("_done", "metrics", "model", "provider", "started", "tenant", "trace")
 
     def __init__(self, metrics: RequestMetrics) -> None:
         self.metrics = metrics
@@ -80,6 +87,8 @@ class RequestClock:
         self.provider = ""
         self.tenant = UNKNOWN
         self._done = False
+        # The request's span, while tracing is on (dispatcher/tracing.py): ended with the count.
+        self.trace: RequestTrace | None = None
 
     def queued(self, queue_ms: int) -> None:
         self.metrics.queue_wait.labels(self.model, self.tenant).observe(queue_ms / 1000)
@@ -87,13 +96,20 @@ class RequestClock:
     def first_byte(self) -> None:
         self.metrics.ttfb.labels(self.model, self.provider).observe(time.perf_counter() - self.started)
 
-    def done(self, status: int) -> None:
+    def done(self, status: int, usage: Usage | None = None) -> None:
+        """``usage``: the answer's tokens, when its provider reported them."""
         if self._done:
             return
         self._done = True
         labels = (self.model, self.provider, str(status))
         self.metrics.requests.labels(*labels, self.tenant).inc()
+        if usage is not None:
+            tokens = self.metrics.tokens
+            tokens.labels(self.model, self.provider, "prompt", self.tenant).inc(usage.prompt)
+            tokens.labels(self.model, self.provider, "completion", self.tenant).inc(usage.completion)
         self.metrics.latency.labels(*labels).observe(time.perf_counter() - self.started)
+        if self.trace is not None:
+            self.trace.end(status, self.model, self.tenant, usage)
 
 
 class _CatalogCollector(Collector):
@@ -110,12 +126,19 @@ class _CatalogCollector(Collector):
                                    labels=[*labels, "health"])
         queued_p = GaugeMetricFamily("iop_provider_queued", "Jobs waiting in the groups the provider serves",
                                      labels=labels)
+        draining = GaugeMetricFamily("iop_provider_draining",
+                                     "1 while an operator's drain keeps new jobs off the provider", labels=labels)
+        tokens_rate = GaugeMetricFamily("iop_provider_tokens_per_second",
+                                        "Completion tokens per second over about the last 10 s, all workers",
+                                        labels=labels)
         for p in self.catalog.providers:
             values = [p.id, p.node_id, p.type, p.category]
             in_flight.add_metric(values, p.in_flight)
             capacity.add_metric(values, p.capacity)
             up.add_metric(values, 1 if p.health == "available" else 0)
             queued_p.add_metric(values, p.queued)
+            draining.add_metric(values, 1 if p.drain else 0)
+            tokens_rate.add_metric(values, p.tokens_per_s)
             for state in ("available", "unavailable", "unknown"):
                 health.add_metric([*values, state], 1 if p.health == state else 0)
         queued = GaugeMetricFamily("iop_model_queued", "Jobs waiting in the model group's queue", labels=["model"])
@@ -124,7 +147,7 @@ class _CatalogCollector(Collector):
         for m in self.catalog.models:
             queued.add_metric([m.id], m.queued)
             oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
-        yield from (in_flight, capacity, up, health, queued_p, queued, oldest)
+        yield from (in_flight, capacity, up, health, queued_p, draining, tokens_rate, queued, oldest)
         yield from self._tenants()
 
     def _tenants(self) -> Iterator[Metric]:

@@ -19,6 +19,7 @@ from api.intake import take, take_stored
 from api.metrics import RequestClock
 from api.streams import no_slot
 from api.waiting import ClientGone, HangUpWatch, JobWait
+from dispatcher import tracing
 from dispatcher.endpoints import ENDPOINTS
 from dispatcher.events import Chunks, Done, Failed
 from dispatcher.exceptions import (
@@ -38,6 +39,9 @@ async def relay(
 ) -> Response[Any]:
     """``response_id``: a call on a stored Response (``rest``: what follows the id in the path)."""
     clock = RequestClock(gw.metrics)
+    if tracing.tracer is not None:
+        route = f"/v1/{endpoint}" if response_id is None else f"/v1/responses/{{response_id}}{rest}"
+        clock.trace = tracing.RequestTrace(request.method, route, request.headers)
     try:
         return await _relay(request, gw, endpoint, clock, response_id, rest)
     except RequestError as exc:
@@ -57,10 +61,12 @@ async def _relay(
 ) -> Response[Any]:
     tenant = gw.tenants.of(request.headers)
     clock.tenant = tenant.name
+    trace = clock.trace
+    traceparent = "" if trace is None else trace.traceparent
     if response_id is None:
-        intake = await take(request, gw, endpoint, tenant)
+        intake = await take(request, gw, endpoint, tenant, traceparent)
     else:
-        intake = await take_stored(request, gw, response_id, rest, tenant)
+        intake = await take_stored(request, gw, response_id, rest, tenant, traceparent)
     model_id, stream = intake.model.id, intake.stream
     clock.model = model_id
     spec = ENDPOINTS[intake.endpoint]
@@ -70,6 +76,8 @@ async def _relay(
     wait = JobWait(gw, job_id, model_id, intake.lane.queue)
     hang_up = HangUpWatch(request, wait.waiter)
     handed_off = False
+    if trace is not None:
+        trace.submitted(job_id)
     try:
         try:
             submitted = await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, stream,
@@ -100,8 +108,10 @@ async def _relay(
         if first.meta is not None:
             clock.provider = first.meta.provider
             clock.queued(first.meta.queue_ms)
+        if trace is not None:
+            trace.first(first)
         if isinstance(first, Done):
-            clock.done(first.status)
+            clock.done(first.status, first.usage)
             return json_answer(first, model_id)
         if isinstance(first, Failed):
             raise failure(first)

@@ -62,6 +62,12 @@ class JobWait:
         if submitted.status == SubmitStatus.QUEUED:
             self._queued_until = _now() + submitted.wait_ms / 1000
 
+    def _queue_timeout_ms(self) -> int:
+        config = self.gw.config
+        model = self.gw.models.get(self.model_id)
+        # A reload may have removed the model: its waiting jobs still time out.
+        return config.queue_timeout_ms(model) if model is not None else config.queue.queue_timeout_ms
+
     async def next_event(self) -> Start | Chunks | End | Done | Failed:
         watch = self.gw.config.dispatch.lease_ms / 1000
         while True:
@@ -74,7 +80,7 @@ class JobWait:
                     raise WorkerLost("The worker's stream was lost in a Redis failover")
                 # Its worker was lost before any output: it waits in its queue again, with a
                 # fresh deadline (lua/lib/jobs.lua settle_lost).
-                self._queued_until = _now() + self.gw.config.queue_timeout_ms(self.gw.models[self.model_id]) / 1000
+                self._queued_until = _now() + self._queue_timeout_ms() / 1000
                 continue
             if event is not None:
                 self._queued_until = None  # dispatched: the queue deadline no longer applies

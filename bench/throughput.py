@@ -1,6 +1,6 @@
 """Throughput with many clients, the CPU it costs, and Redis round trips per request.
 
-    python -m bench.throughput [--clients 32] [--seconds 10]
+    python -m bench.throughput [--clients 32] [--seconds 10] [--traced]
 
 One API process and one worker in front of one fast fake provider (capacity 64). For
 JSON answers and for 20-chunk streams: requests per second, CPU milliseconds per
@@ -12,6 +12,10 @@ XREADGROUP, XREAD and XADD, less the XADDs scripts make themselves (one to the n
 stream per dispatch, one final event per request, one first-output event per stream).
 The XTRIM the reply reader sends with its next XREAD shares that write; commands that
 scripts run inside Redis are not round trips. ``--verbose`` prints every command's count.
+
+``--traced`` turns tracing on (dispatcher/tracing.py): the API and the worker export every
+span over OTLP/HTTP to a receiver in this process that counts and discards them; the
+figures go to their own section.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
 
 import aiohttp
 import uvloop
@@ -52,6 +60,33 @@ async def load(url: str, stream: bool, clients: int, seconds: float) -> tuple[in
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(clients)))
         return done, time.perf_counter() - started
+
+
+class DiscardingReceiver:
+    """An OTLP/HTTP traces endpoint that counts the spans it is sent and keeps none."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.spans = 0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                data = self.rfile.read(int(self.headers.get("content-length", 0)))
+                request = ExportTraceServiceRequest.FromString(data)
+                receiver.spans += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        # One at a time: the two processes export a few batches a second.
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = False) -> str:
@@ -90,11 +125,25 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the median run is reported")
     parser.add_argument("--verbose", action="store_true", help="print every Redis command's calls per request")
+    parser.add_argument("--traced", action="store_true",
+                        help="tracing on, every span exported (OTLP/HTTP) to a receiver here that discards it")
     args = parser.parse_args()
     uvloop.install()
+    receiver = None
+    if args.traced:
+        receiver = DiscardingReceiver()
+        # The stack's processes inherit it; the batch schedule is the SDK's default (5 s, 512 spans).
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
     table = asyncio.run(main(args.clients, args.seconds, args.repeat, args.verbose))
     print(table)
-    write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}", table,
-                  f"{args.clients} concurrent clients (keep-alive), {args.repeat} runs of {args.seconds:g} s per row "
-                  "(the median run shown), one API process, one worker, one fake provider answering at once; "
-                  "the load generator and the fake provider share the same 2 cores.\n")
+    notes = (f"{args.clients} concurrent clients (keep-alive), {args.repeat} runs of {args.seconds:g} s per row "
+             "(the median run shown), one API process, one worker, one fake provider answering at once; "
+             "the load generator and the fake provider share the same 2 cores.\n")
+    if receiver is None:
+        write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}", table, notes)
+    else:
+        print(f"spans received: {receiver.spans:,}")
+        notes += (f"Tracing on: every request's three spans exported over OTLP/HTTP to a receiver in the load "
+                  f"generator's process that discards them ({receiver.spans:,} spans received).\n")
+        write_section("throughput-traced", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g} --traced",
+                      table, notes)

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 
 from dispatcher import keys
 from dispatcher.config import DEFAULT_TENANT, Config, ProviderConfig
+from dispatcher.control import drain_state
 from dispatcher.lifecycle import LifecycleFlags, flags_for
 from dispatcher.plans import Plans
 from dispatcher.tenants import Tenant, Tenants, bands, flow_control
@@ -51,6 +52,11 @@ class ProviderView(msgspec.Struct):
     # Parallel slots the runtime itself reports (llama.cpp): a hint beside ``capacity``,
     # which alone decides dispatch. None when the runtime does not say.
     slots: int | None
+    # An operator's drain (dispatcher/control.py): "draining" while jobs still run on it,
+    # "drained" once none does; None when open. Health stays the probe's word.
+    drain: str | None = None
+    # Completion tokens per second over about the last 10 s, fleet-wide (tokens_per_s()).
+    tokens_per_s: float = 0.0
 
 
 class CandidateView(msgspec.Struct):
@@ -121,6 +127,30 @@ def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
     if int(fields.get("capacity", 0)) <= 0:
         return "unavailable", "capacity 0"
     return "available", ""
+
+
+TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket
+
+
+def tokens_per_s(fields: dict[str, str], now_ms: int) -> float:
+    """Completion tokens per second the provider generated over the last bucket's length,
+    from ``lua/finish.lua``'s two buckets: the current one whole, the one before weighted by
+    how much of it the window still covers. Buckets the scripts have not rolled over yet
+    (no job finished since) are rolled here, so an idle provider falls to 0 within two
+    buckets. A job's tokens count when it finishes, so a long stream lands all at once."""
+    try:
+        t0 = int(fields["tok_t0"])
+        cur = float(fields.get("tok_cur") or 0)
+        prev = float(fields.get("tok_prev") or 0)
+    except (KeyError, ValueError):
+        return 0.0
+    elapsed = max(now_ms - t0, 0)
+    if elapsed >= 2 * TOKEN_BUCKET_MS:
+        return 0.0
+    if elapsed >= TOKEN_BUCKET_MS:
+        prev, cur, elapsed = cur, 0.0, elapsed - TOKEN_BUCKET_MS
+    covered = 1 - elapsed / TOKEN_BUCKET_MS
+    return round((prev * covered + cur) / (TOKEN_BUCKET_MS / 1000), 3)
 
 
 def _json_list(raw: str | None) -> list[str] | None:
@@ -214,7 +244,9 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             for pid, served in model.providers.items()
             if (v := views.get(pid)) is not None
         ]
-        free = sum(max(c.capacity - c.in_flight, 0) for c in cands if c.health == "available")
+        # A drained provider's slots are not the group's: nothing new goes there.
+        free = sum(max(c.capacity - c.in_flight, 0) for c in cands
+                   if c.health == "available" and views[c.provider].drain is None)
         uses = [TenantUse(t.name, counters.get(f"q:{t.name}:{model.id}", 0), counters.get(f"r:{t.name}:{model.id}", 0))
                 for t in tenants]
         uses = [u for u in uses if u.queued or u.in_flight]
@@ -281,4 +313,6 @@ def _provider_view(
         model_groups=groups,
         endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),
         slots=_slots(fields.get("slots")),
+        drain=drain_state(fields.get("drain"), in_flight),
+        tokens_per_s=tokens_per_s(fields, now),
     )

@@ -26,6 +26,13 @@ class Meta(msgspec.Struct, frozen=True, array_like=True):
     attempt: int = 1
 
 
+class Usage(msgspec.Struct, frozen=True, array_like=True):
+    """The tokens of one answer as its provider reported them (``workers/usage.py``)."""
+
+    prompt: int
+    completion: int
+
+
 class Start(msgspec.Struct, tag="start", array_like=True):
     meta: Meta
     status: int
@@ -47,6 +54,8 @@ class End(msgspec.Struct, tag="end", array_like=True):
     meta: Meta | None = None
     # The provider ended it with ``data: [DONE]`` (relayed only then).
     done: bool = True
+    # Last: events written before it existed still decode.
+    usage: Usage | None = None
 
 
 class Done(msgspec.Struct, tag="done", array_like=True):
@@ -55,6 +64,7 @@ class Done(msgspec.Struct, tag="done", array_like=True):
     body: bytes
     content_type: str = "application/json"
     headers: dict[str, str] = {}
+    usage: Usage | None = None
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

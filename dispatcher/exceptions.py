@@ -9,8 +9,10 @@ Hierarchy::
         │   └── UnsupportedEndpoint 400 unsupported_endpoint (no provider of the model serves it)
         ├── Unauthorized            401 invalid_api_key
         ├── ModelNotAllowed         403 model_not_allowed (outside the tenant's allow-list)
+        ├── AdminKeyRequired        403 admin_key_required (runtime control, and only caller keys exist)
         ├── ModelNotFound           404 model_not_found
         ├── ResponseNotFound        404 response_not_found (a Responses id iop does not know)
+        ├── UnknownProvider         404 provider_not_found (drain/resume of a provider not in the config)
         ├── ResponseProviderGone    409 response_provider_gone (its provider left the pool)
         ├── ResponseProviderDown    503 response_provider_unavailable, with Retry-After
         ├── RequestTimeout          408 request_timeout (the body came too slowly)
@@ -104,6 +106,15 @@ class ResponseNotFound(RequestError):
     code = "response_not_found"
 
 
+class UnknownProvider(RequestError):
+    status = 404
+    type = "invalid_request_error"
+    code = "provider_not_found"
+
+    def __init__(self, provider: str) -> None:
+        super().__init__(f"No provider '{provider}' in the config", param="provider_id")
+
+
 class ResponseProviderGone(RequestError):
     status = 409
     type = "invalid_request_error"
@@ -127,6 +138,12 @@ class ModelNotAllowed(RequestError):
     status = 403
     type = "permission_error"
     code = "model_not_allowed"
+
+
+class AdminKeyRequired(RequestError):
+    status = 403
+    type = "permission_error"
+    code = "admin_key_required"
 
 
 class ModelNotFound(RequestError):

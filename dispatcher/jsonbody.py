@@ -76,6 +76,36 @@ def with_model(body: bytes, model: str) -> bytes:
     return _encode(obj)
 
 
+_ASK_USAGE = msgspec.Raw(b'{"include_usage":true}')
+_TRUE = b"true"
+_NULL = b"null"
+
+
+def with_model_asking_usage(body: bytes, model: str) -> tuple[bytes, bool]:
+    """``body`` with its ``model`` set, and ``stream_options.include_usage`` set unless the
+    caller asked for it; whether iop asked (then the caller must not get the usage-only
+    chunk). One decode, one encode, as ``with_model``.
+
+    The caller's own ``stream_options`` are kept: ``include_usage`` joins them, except
+    beside vLLM's ``continuous_usage_stats`` (which would then put usage in every chunk),
+    and an ill-typed value is left for the provider to refuse."""
+    obj = _object.decode(body)
+    obj["model"] = msgspec.Raw(_encode(model))
+    asked = False
+    raw = obj.get("stream_options")
+    if raw is None or bytes(raw) == _NULL:
+        obj["stream_options"] = _ASK_USAGE
+        asked = True
+    elif bytes(raw).lstrip().startswith(b"{"):
+        options = _object.decode(raw)
+        given = options.get("include_usage")
+        if (given is None or bytes(given) != _TRUE) and "continuous_usage_stats" not in options:
+            options["include_usage"] = msgspec.Raw(_TRUE)
+            obj["stream_options"] = msgspec.Raw(_encode(options))
+            asked = True
+    return _encode(obj), asked
+
+
 def renamed(payload: bytes, model: str) -> bytes:
     """``payload`` with its ``model`` -- top-level, or in the ``response`` (Responses events)
     or ``message`` (Messages ``message_start``) object it carries -- set to ``model``

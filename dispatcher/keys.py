@@ -6,7 +6,11 @@ and every script can be given all of its keys in KEYS.
 | key                      | type   | holds                                                          |
 |--------------------------|--------|----------------------------------------------------------------|
 | ``{iop}:p:<provider>``   | hash   | node, type, category, capacity, models, health, hb_ms, hb_exp,  |
-|                          |        | in_flight, probe reason (written by its node's worker)         |
+|                          |        | in_flight, probe reason (written by its node's worker);        |
+|                          |        | ``drain``: ms an operator drained it (lua/drain.lua), absent   |
+|                          |        | when open -- no heartbeat touches it;                          |
+|                          |        | ``tok_t0``, ``tok_cur``, ``tok_prev``: completion tokens of    |
+|                          |        | jobs finished in two 10 s buckets (lua/finish.lua)             |
 | ``{iop}:q:<model>``      | zset   | waiting jobs of a model group's lane: job id -> submit seq     |
 |  ``[|<providers>]``      |        | (FIFO), or its fair-queuing tag with flow control; the lane of |
 |  ``[#<band>]``           |        | all its providers has no suffix, a lane of some (an endpoint   |

@@ -16,6 +16,7 @@ from typing import Literal
 from dispatcher import events, keys
 from dispatcher.config import Config
 from dispatcher.events import Assignment, JobRecord
+from dispatcher.exceptions import ModelNotFound
 from dispatcher.fastredis import Arg
 from dispatcher.plans import Lane, Plans
 from dispatcher.scripts import Scripts
@@ -111,6 +112,13 @@ class Round:
 
 
 @dataclass(frozen=True, slots=True)
+class Drained:
+    mark: str | None  # server ms the drain mark was set; None: open
+    in_flight: int
+    dispatched: int  # waiting jobs a resume handed out at once
+
+
+@dataclass(frozen=True, slots=True)
 class Correction:
     provider: str
     old: int
@@ -135,9 +143,11 @@ class ScriptCalls:
         tenant: Tenant | None = None,
     ) -> Submitted:
         """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``)."""
-        ks, head = self.plans.by_lane[(lane.model, lane.name)].args(
-            (*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica)), self._lease_ms
-        )
+        plan = self.plans.by_lane.get((lane.model, lane.name))
+        if plan is None or lane.model not in self._queue_limits:
+            # A reload took the model (or this lane of it) away while the request was read.
+            raise ModelNotFound(lane.model)
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica)), self._lease_ms)
         timeout_ms, max_queue = self._queue_limits[lane.model]
         args: list[Arg] = [*head, job, body, lane.model, replica, endpoint, int(stream), timeout_ms, max_queue,
                            lane.name, int(pinned)]
@@ -173,13 +183,14 @@ class ScriptCalls:
         return EmitOutcome(result.decode())
 
     async def finish(
-        self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done"
+        self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0
     ) -> FinishOutcome:
+        """``tokens``: the completion tokens the job generated, for its provider's throughput."""
         ks, head = self._settle_args(job.provider, node, job.replica, keys.queue(job.model, job.lane))
         outcome, _ = await self.scripts.finish(
             ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             mode, self.config.dispatch.max_attempts, events.REQUEUED],
+             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens],
         )
         return FinishOutcome(outcome.decode())
 
@@ -206,6 +217,14 @@ class ScriptCalls:
         await self.scripts.remember_response(
             [keys.RESPONSES, keys.RESPONSES_BY_EXPIRY], [response_id, provider, model, r.id_ttl_s * 1000, r.max_ids]
         )
+
+    # --- runtime control (dispatcher/control.py) ----------------------------------------------
+
+    async def drain(self, provider: str, mode: Literal["drain", "resume"]) -> Drained:
+        """Set (``drain``) or clear (``resume``, which pumps) a provider's drain mark."""
+        ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        mark, in_flight, dispatched = await self.scripts.drain(ks, [*head, mode])
+        return Drained(mark.decode() or None, int(in_flight), int(dispatched))
 
     # --- maintenance ------------------------------------------------------------------------
 

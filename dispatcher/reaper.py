@@ -53,15 +53,19 @@ class ReapStats:
 
 class Reaper:
     def __init__(self, calls: ScriptCalls, redis: Redis, owner: str) -> None:
-        self.calls = calls
         self.redis = redis
-        self.config = calls.config
         self.owner = owner
         self.rounds = 0
-        self.provider_ids = [p.id for _, p in self.config.providers()]
+        self.use(calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
         )
+
+    def use(self, calls: ScriptCalls) -> None:
+        """Work from ``calls``' config from now on (a reload); the round period stays."""
+        self.calls = calls
+        self.config = calls.config
+        self.provider_ids = [p.id for _, p in self.config.providers()]
 
     async def run_forever(self) -> None:
         """A round every ``reap_interval_ms`` (when this process wins the lock), for good."""

@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response")
+         "reconcile", "remember_response", "drain")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -85,6 +85,7 @@ class Scripts:
         self.replica = Script(redis, fast, "replica")
         self.reconcile = Script(redis, fast, "reconcile")
         self.remember_response = Script(redis, fast, "remember_response")
+        self.drain = Script(redis, fast, "drain")
 
     def all(self) -> list[Script]:
         return [getattr(self, name) for name in NAMES]

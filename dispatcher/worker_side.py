@@ -33,11 +33,14 @@ class WorkerSide:
         else:
             await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
 
-    async def finish(self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done") -> FinishOutcome:
+    async def finish(
+        self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0
+    ) -> FinishOutcome:
         """Final event + release + ack. ``requeue`` (the worker gives the job up unfinished)
         and ``retry`` (its provider failed it before any output) dispatch it again if none
-        of its output reached the client, else its client gets ``event``."""
-        return await self.calls.finish(job, self.node_id, event, mode=mode)
+        of its output reached the client, else its client gets ``event``. ``tokens``: the
+        completion tokens the job generated (its provider's tokens per second)."""
+        return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens)
 
     async def remember_response(self, response_id: str, job: Assignment) -> None:
         """A stored Response was made by the job's provider: later calls on it go there."""

@@ -4,7 +4,9 @@ One row per provider, grouped by node; under it, its probe's reason (when it has
 the endpoints it serves, short names on one line (``chat`` for ``chat/completions``,
 ``speech`` for ``audio/speech``...) wrapped to fit :data:`WIDTH` columns. The load column
 shows ``in_flight/capacity`` and, when the runtime reports a different number of parallel
-slots (llama.cpp), that hint: ``1/4 (slots 8)``.
+slots (llama.cpp), that hint: ``1/4 (slots 8)``. The health column also says when an
+operator drained the provider (``iop provider drain``): ``available (draining)``, then
+``available (drained)`` once nothing runs on it.
 
 With flow control, a table of the tenants (band, weight, jobs waiting and running, limits)
 follows the providers when there is more than the ``default`` tenant, and each model group
@@ -16,10 +18,10 @@ import json
 import os
 import sys
 import textwrap
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from iop.http_client import call, report
 
 GREEN, RED, YELLOW, DIM, BOLD, RESET = "\033[32m", "\033[31m", "\033[33m", "\033[2m", "\033[1m", "\033[0m"
 HEALTH_COLOUR = {"available": GREEN, "unavailable": RED, "unknown": YELLOW}
@@ -37,12 +39,7 @@ SHORT_ENDPOINTS = {
 
 
 def fetch(url: str, key: str | None, timeout: float = 10.0) -> dict[str, Any]:
-    request = urllib.request.Request(url.rstrip("/") + "/catalog")
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        doc: dict[str, Any] = json.load(resp)
-    return doc
+    return call(url, "GET", "/catalog", key, timeout)
 
 
 def bar(in_flight: int, capacity: int) -> str:
@@ -68,17 +65,19 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         return f"{code}{text}{RESET}" if colour else text
 
     providers = {p["id"]: p for p in doc["providers"]}
-    headers = ["PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "MODELS"]
+    headers = ["PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "TOK/S", "MODELS"]
     rows: list[tuple[str, list[str], list[str | None]]] = []
     for node in doc["nodes"]:
         for pid in node["providers"]:
             p = providers[pid]
             ratio = "-" if p["load_ratio"] is None else f"{p['load_ratio']:.2f}"
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
-            cells = [p["id"], p["type"], p["category"], p["health"],
+            # An operator's drain shows beside the probe's health: ``available (draining)``.
+            health = p["health"] + (f" ({p['drain']})" if p.get("drain") else "")
+            cells = [p["id"], p["type"], p["category"], health,
                      f"{bar(p['in_flight'], p['capacity'])} {capacity_text(p)} {ratio}",
-                     str(p["queued"]), models]
-            codes: list[str | None] = [None, None, None, HEALTH_COLOUR.get(p["health"]), None, None, None]
+                     str(p["queued"]), f"{p.get('tokens_per_s', 0):.0f}", models]
+            codes: list[str | None] = [None, None, None, HEALTH_COLOUR.get(p["health"]), None, None, None, None]
             rows.append((node["id"], cells, codes))
     widths = [max([len(h)] + [len(r[1][i]) for r in rows]) for i, h in enumerate(headers)]
 
@@ -138,12 +137,8 @@ def tenant_lines(tenants: list[dict[str, Any]], paint: Callable[[str, str], str]
 def main(url: str, as_json: bool, key_env: str, colour: bool | None) -> int:
     try:
         doc = fetch(url, os.environ.get(key_env))
-    except urllib.error.HTTPError as exc:
-        print(f"{url}/catalog answered {exc.code}: {exc.read()[:300].decode(errors='replace')}", file=sys.stderr)
-        return 1
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"cannot reach {url}: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:  # urllib's errors among them
+        return report(url, "/catalog", exc)
     if as_json:
         print(json.dumps(doc, indent=2))
         return 0

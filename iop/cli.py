@@ -6,6 +6,9 @@
     iop config check FILE
     iop config migrate FILE                print the pool-shape equivalent of a legacy-shape config
     iop catalog [--url URL] [--json]
+    iop reload [--port P | --pid PID]      make a running iop read its config file again (SIGHUP)
+    iop provider drain ID [--wait]         stop new dispatch to a provider; --wait: until its jobs are done
+    iop provider resume ID                 let it take jobs again
     iop fake-provider --port P [--delay-ms D] [--tokens N] [--token-interval-ms T]
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,7 +92,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         known = ", ".join(n.id for n in config.nodes) or "none"
         print(f"{args.config}: no node {args.node!r} (nodes: {known})", file=sys.stderr)
         return 2
-    serve_worker(config, args.node, log_level=args.log_level, log_format=args.log_format)
+    serve_worker(config, args.node, log_level=args.log_level, log_format=args.log_format,
+                 config_path=os.path.abspath(args.config))
     return 0
 
 
@@ -120,6 +125,36 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     from iop.catalog_cli import main as catalog_main
 
     return catalog_main(args.url, args.json, args.key_env, args.colour)
+
+
+def cmd_provider(args: argparse.Namespace) -> int:
+    from iop.provider_cli import main as provider_main
+
+    return provider_main(args.provider_command, args.provider_id, args.url, os.environ.get(args.key_env),
+                         wait=getattr(args, "wait", False), wait_timeout=getattr(args, "wait_timeout", None),
+                         as_json=args.json)
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from iop.up import pid_file
+
+    if args.pid is not None:
+        pid = args.pid
+    else:
+        path = pid_file(args.port)
+        try:
+            pid = int(path.read_text().strip())
+        except (OSError, ValueError):
+            print(f"no `iop up` on port {args.port} ({path} is missing or unreadable); "
+                  "use --pid with an `iop up`, `iop api` or `iop worker` process", file=sys.stderr)
+            return 2
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        print(f"could not signal process {pid}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"sent SIGHUP to {pid}: it reads its config file again (its log says what changed, or every problem)")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.add_argument("--colour", "--color", dest="colour", action=argparse.BooleanOptionalAction, default=None,
                          help="colour the health column (default: when printing to a terminal)")
     catalog.set_defaults(func=cmd_catalog)
+
+    provider = sub.add_parser("provider", help="drain or resume a provider of a running iop (admin endpoints)")
+    provider_sub = provider.add_subparsers(dest="provider_command", required=True)
+    for action, text in (("drain", "stop new dispatch to the provider, fleet-wide; its running jobs finish"),
+                         ("resume", "let a drained provider take jobs again")):
+        one = provider_sub.add_parser(action, help=text)
+        one.add_argument("provider_id", metavar="ID", help="the provider id (nodes[].providers[].id)")
+        one.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+        one.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
+        one.add_argument("--json", action="store_true", help="print the raw JSON")
+        if action == "drain":
+            one.add_argument("--wait", action="store_true", help="return once nothing runs on it any more (drained)")
+            one.add_argument("--wait-timeout", type=float, metavar="S", help="give up waiting after S seconds (exit 3)")
+        one.set_defaults(func=cmd_provider)
+
+    reload = sub.add_parser("reload", help="make a running iop read its config file again (SIGHUP)")
+    target = reload.add_mutually_exclusive_group()
+    target.add_argument("--port", type=int, default=8080, help="the API port of the `iop up` to reload")
+    target.add_argument("--pid", type=int, help="an `iop up`, `iop api` or `iop worker` process to reload")
+    reload.set_defaults(func=cmd_reload)
 
     fake = sub.add_parser("fake-provider", help="run the fake OpenAI-compatible upstream (tests, demo, benchmarks)")
     fake.add_argument("--host", default="127.0.0.1")

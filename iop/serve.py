@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import anyio
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
+from uvicorn.supervisors import Multiprocess
 
 from api.http_protocol import limited_protocol
+from dispatcher import tracing
 from dispatcher.config import Config
 from iop import logs
 
@@ -28,20 +31,28 @@ def serve_api(
     # uvicorn only calls what `http` names, so a factory serves, though its type asks for a class.
     http = cast("type[asyncio.Protocol]", limited_protocol(config.api))
 
+    options: dict[str, Any] = {
+        "factory": True, "host": host, "port": port, "loop": "uvloop", "http": http, "log_level": log_level,
+        "log_config": logs.uvicorn_config(log_level) or LOGGING_CONFIG, "access_log": False,
+        "timeout_graceful_shutdown": 10,
+    }
     with _metrics_dir(workers):
-        uvicorn.run(
-            "api.app:create_app",
-            factory=True,
-            host=host,
-            port=port,
-            workers=workers if workers > 1 else None,
-            loop="uvloop",
-            http=http,
-            log_level=log_level,
-            log_config=logs.uvicorn_config(log_level) or LOGGING_CONFIG,
-            access_log=False,
-            timeout_graceful_shutdown=10,
-        )
+        if workers > 1:
+            server = uvicorn.Config("api.app:create_app", workers=workers, **options)
+            _ReloadingMultiprocess(server, sockets=[server.bind_socket()]).run()
+        else:
+            uvicorn.run("api.app:create_app", **options)
+
+
+class _ReloadingMultiprocess(Multiprocess):
+    """uvicorn's supervisor of several server processes, except that ``SIGHUP`` reaches
+    each of them (they reload their config, ``api/gateway.py``): uvicorn's own answer to it
+    is to replace them, which cuts every stream they relay."""
+
+    def handle_hup(self) -> None:
+        for process in self.processes:
+            if process.pid is not None:
+                os.kill(process.pid, signal.SIGHUP)
 
 
 @contextlib.contextmanager
@@ -59,8 +70,14 @@ def _metrics_dir(workers: int) -> Iterator[None]:
             del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
-def serve_worker(config: Config, node_id: str, *, log_level: str, log_format: str | None = None) -> None:
+def serve_worker(
+    config: Config, node_id: str, *, log_level: str, log_format: str | None = None, config_path: str | None = None,
+) -> None:
     from workers.worker import Worker
 
     logs.configure(log_level, log_format, role="worker")
-    anyio.run(Worker(config, node_id).run, backend_options={"use_uvloop": True})
+    tracing.setup(config, "worker", node_id)
+    try:
+        anyio.run(Worker(config, node_id, config_path).run, backend_options={"use_uvloop": True})
+    finally:
+        tracing.shutdown()

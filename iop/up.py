@@ -5,6 +5,10 @@ asks for, the node workers, and the API. Ctrl-C (or SIGTERM) stops them in rever
 order, so workers drain while Redis is still there. Children run in their own
 process groups: the terminal's Ctrl-C reaches only this supervisor, which decides
 the order.
+
+``SIGHUP`` (what ``iop reload`` sends, finding this process by its pid file) reads the
+config file again: a node added gets a worker, a removed node's worker drains and
+exits, and every other worker and the API get ``SIGHUP`` to apply the file themselves.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
 
-from dispatcher.config import Config
+from dispatcher.config import Config, NodeConfig, load
+from dispatcher.exceptions import ConfigError
 from iop.processes import Child, stop_all, wait_http, wait_port
 from iop.redis_server import RedisServer, free_port
 
@@ -30,11 +37,14 @@ class Interrupted(Exception):
 
 
 class Supervisor:
-    def __init__(self) -> None:
-        # By role, in the order they start.
-        self.children: dict[str, list[Child]] = {"fake": [], "worker": [], "api": []}
+    def __init__(self, config_path: str) -> None:
+        self.config_path = config_path
+        # By role, in the order they start; "leaving": workers of removed nodes, draining.
+        self.children: dict[str, list[Child]] = {"fake": [], "worker": [], "api": [], "leaving": []}
+        self.workers: dict[str, Child] = {}  # by node id
         self.redis: RedisServer | None = None
         self.stopping = False
+        self.reload_asked = False
 
     def spawn(self, role: str, what: str, argv: list[str], env: dict[str, str]) -> Child:
         child = Child(f"{role} {what}", argv, env, own_session=True).start()
@@ -45,12 +55,43 @@ class Supervisor:
         if self.stopping:
             raise Interrupted
 
+    def start_worker(self, node: NodeConfig, env: dict[str, str]) -> Child:
+        child = self.spawn("worker", node.id, [sys.executable, "-m", "iop", "worker", "--config", self.config_path,
+                                               "--node", node.id], env)
+        self.workers[node.id] = child
+        return child
+
     def dead_child(self) -> Child | None:
-        return next((c for group in self.children.values() for c in group if not c.alive()), None)
+        running = (c for role, group in self.children.items() if role != "leaving" for c in group)
+        return next((c for c in running if not c.alive()), None)
+
+    def reload(self, env: dict[str, str]) -> None:
+        """Apply the config file again (see the module's docstring); an invalid file changes nothing."""
+        try:
+            config = load(self.config_path).config
+        except ConfigError as exc:
+            print(f"reload: {self.config_path}: {len(exc.problems)} problem(s); nothing changed", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return
+        nodes = {node.id: node for node in config.nodes}
+        for node_id in [n for n in self.workers if n not in nodes]:
+            child = self.workers.pop(node_id)
+            self.children["worker"].remove(child)
+            self.children["leaving"].append(child)
+            child.signal(signal.SIGTERM)  # it drains: running jobs finish
+            print(f"reload: node {node_id} removed; its worker drains and exits", flush=True)
+        for child in [*self.workers.values(), *self.children["api"]]:
+            child.signal(signal.SIGHUP)
+        for node_id, node in nodes.items():
+            if node_id not in self.workers:
+                child = self.start_worker(node, env)
+                print(f"reload: node {node_id} added; worker pid {child.pid}", flush=True)
+        print(f"reload: {self.config_path} sent to {len(self.workers)} worker(s) and the API", flush=True)
 
     def stop(self) -> None:
         # API first (no new requests), then workers (they drain), then the fakes, Redis last.
-        for role in ("api", "worker", "fake"):
+        for role in ("api", "worker", "leaving", "fake"):
             stop_all(self.children[role], timeout=STOP_TIMEOUT_S)
         if self.redis is not None:
             self.redis.close()
@@ -76,16 +117,27 @@ def _fake_models(config: Config, host: str, port: int) -> list[str]:
     return names
 
 
+def pid_file(port: int) -> Path:
+    """Where ``iop up`` serving on ``port`` leaves its pid, for ``iop reload``."""
+    return Path(tempfile.gettempdir()) / f"iop-up-{port}.pid"
+
+
 def run_up(config: Config, config_path: str, *, host: str, port: int, api_workers: int) -> int:
-    sup = Supervisor()
-    py = sys.executable
     config_path = os.path.abspath(config_path)
+    sup = Supervisor(config_path)
+    py = sys.executable
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         sup.stopping = True
 
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        sup.reload_asked = True
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
+    pid_path = pid_file(port)
+    pid_path.write_text(f"{os.getpid()}\n")
     lines: list[str] = []
     try:
         redis_url = config.redis.url
@@ -116,8 +168,7 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
 
         for node in config.nodes:
             sup.checkpoint()
-            child = sup.spawn("worker", node.id, [py, "-m", "iop", "worker", "--config", config_path,
-                                                  "--node", node.id], env)
+            child = sup.start_worker(node, env)
             lines.append(f"  worker   node {node.id} (pid {child.pid}): "
                          + ", ".join(f"{p.id} [{p.type}, capacity {p.capacity}]" for p in node.providers))
 
@@ -134,9 +185,13 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         print(f"\nmodels: {', '.join(m.id for m in config.models)}")
         print(f"try:    curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
+        print(f"`iop reload --port {port}` applies a changed config file.")
         print("Ctrl-C stops everything.", flush=True)
 
         while not sup.stopping:
+            if sup.reload_asked:
+                sup.reload_asked = False
+                sup.reload(env)
             dead = sup.dead_child()
             if dead is not None:
                 print(f"{dead.name} exited with status {dead.returncode}; stopping",
@@ -153,5 +208,7 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        pid_path.unlink(missing_ok=True)
         sup.stop()
         print("stopped.", flush=True)

@@ -19,6 +19,10 @@
 --            as 'requeue', but never to this provider again, and only if another healthy
 --            provider of its lane could take it
 -- ARGV[11]   max attempts (requeue only)     ARGV[12] requeued event for the client (requeue only)
+-- ARGV[13]   completion tokens the job generated (0: none reported): added, when the job
+--            is released here, to the provider's token window (tok_t0 start ms of the
+--            current 10 s bucket, tok_cur its tokens, tok_prev the bucket before), which
+--            dispatcher/catalog.py turns into tokens per second
 -- Returns {outcome, dispatched}; outcome 'released' | 'requeued' | 'failed' | 'dropped' | 'stale'
 --!include lib/jobs.lua
 --!include lib/pump.lua
@@ -36,6 +40,19 @@ if not owned(rec, ARGV[5]) then
 end
 release_slot(job, PROVIDER, rec)
 local now = now_ms()
+local tokens = tonumber(ARGV[13]) or 0
+if tokens > 0 then
+  local w = redis.call('HMGET', PROVIDER, 'tok_t0', 'tok_cur')
+  local t0, cur = tonumber(w[1]), tonumber(w[2]) or 0
+  if t0 == nil or now < t0 or now - t0 >= 20000 then
+    -- Nothing in the last two buckets (or a new primary's clock is behind): start afresh.
+    redis.call('HSET', PROVIDER, 'tok_t0', now, 'tok_cur', tokens, 'tok_prev', 0)
+  elseif now - t0 >= 10000 then
+    redis.call('HSET', PROVIDER, 'tok_t0', t0 + 10000, 'tok_cur', tokens, 'tok_prev', cur)
+  else
+    redis.call('HSET', PROVIDER, 'tok_cur', cur + tokens)
+  end
+end
 local outcome = 'released'
 if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then
   local max_attempts = tonumber(ARGV[11])

@@ -12,6 +12,7 @@ import copy
 import json
 import re
 import shlex
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,6 +379,139 @@ def dockerignore_patterns(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
+# --------------------------------------------------------------------------- monitoring helpers
+
+
+MONITORING_PROFILE = "monitoring"
+PROMETHEUS_IMAGE = "prom/prometheus"
+GRAFANA_IMAGES = ("grafana/grafana", "grafana/grafana-oss")
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+GRAFANA_DIR = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA_DIR / "dashboards" / "iop.json"
+METRICS_SOURCE = ROOT / "api" / "metrics.py"
+# What the dashboard must show (issue 14): queues, provider load and health, errors,
+# latency, time to first byte, tokens, tenants and draining providers.
+REQUIRED_SERIES = frozenset({
+    "iop_model_queued", "iop_model_oldest_wait_seconds", "iop_queue_wait_seconds_bucket",
+    "iop_provider_in_flight", "iop_provider_capacity", "iop_provider_available", "iop_provider_draining",
+    "iop_requests_total", "iop_request_duration_seconds_bucket", "iop_stream_first_byte_seconds_bucket",
+    "iop_tokens_total", "iop_provider_tokens_per_second", "iop_tenant_queued", "iop_tenant_in_flight",
+})
+
+
+@dataclass(frozen=True)
+class Series:
+    """A sample name /metrics can expose."""
+
+    family: str
+    kind: str  # counter | histogram | summary | gauge
+    # A prometheus_client metric of the process (summed over replicas), or a family the
+    # scrape-time collector reads from Redis (the same on every replica).
+    per_process: bool
+
+
+_METRIC_DEFINITION = re.compile(
+    r"\b(Counter|Histogram|Summary|Gauge|\w*MetricFamily)\(\s*(?:name\s*=\s*)?[\"'](iop_\w+)[\"']")
+
+
+def exposed_series(source: str) -> dict[str, Series]:
+    """Every sample name of the metrics ``source`` (api/metrics.py) defines, as prometheus_client
+    names them: counters end in ``_total``, histograms expose ``_bucket``, ``_sum`` and ``_count``."""
+    out: dict[str, Series] = {}
+    for ctor, name in _METRIC_DEFINITION.findall(source):
+        kind = ctor.removesuffix("MetricFamily").lower() or "gauge"
+        per_process = not ctor.endswith("MetricFamily")
+        if kind == "counter":
+            base = name.removesuffix("_total")
+            samples = [f"{base}_total", f"{base}_created"]
+        elif kind in ("histogram", "summary"):
+            samples = [f"{name}_sum", f"{name}_count", f"{name}_created"]
+            samples.append(f"{name}_bucket" if kind == "histogram" else name)
+        else:
+            kind = "gauge"
+            samples = [name]
+        for sample in samples:
+            out[sample] = Series(name, kind, per_process)
+    return out
+
+
+def image_name(svc: dict[str, Any]) -> tuple[str, str]:
+    """(repository, tag) of a service's image."""
+    image = str(svc.get("image", "")).split("@")[0]
+    repo, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+    return repo, tag
+
+
+def bind_mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host path, container path) of every bind mount, short or long syntax."""
+    out = []
+    for entry in svc.get("volumes") or []:
+        if isinstance(entry, dict):
+            if entry.get("type") == "bind":
+                out.append((str(entry["source"]), str(entry["target"])))
+            continue
+        parts = str(entry).split(":")
+        if len(parts) >= 2 and parts[0].startswith((".", "/")):
+            out.append((parts[0], parts[1]))
+    return out
+
+
+def host_path(svc: dict[str, Any], container_path: str, root: Path) -> Path | None:
+    """The repo file or directory behind ``container_path`` through the service's bind mounts."""
+    best: tuple[str, str] | None = None
+    for source, target in bind_mounts(svc):
+        target = target.rstrip("/")
+        if (container_path == target or container_path.startswith(target + "/")) and (
+                best is None or len(target) > len(best[1])):
+            best = (source, target)
+    if best is None:
+        return None
+    rest = container_path[len(best[1]):].lstrip("/")
+    base = root / best[0]
+    return base / rest if rest else base
+
+
+def flag_value(argv: list[str], flag: str, default: str) -> str:
+    """``--flag=value`` or ``--flag value`` of a command line."""
+    for i, word in enumerate(argv):
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+        if word == flag and i + 1 < len(argv):
+            return argv[i + 1]
+    return default
+
+
+_PROMQL_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_PROMQL_BLANKED = re.compile(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_PROMQL_WORD = re.compile(r"(?<![\w$.:])([A-Za-z_:][\w:]*)(\s*\()?")
+_PROMQL_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+                              "group_left", "group_right", "inf", "nan", "Inf", "NaN"})
+# What may wrap a series directly: rate-like functions for counters and histograms, an
+# aggregation that does not add up replicas for the gauges every replica reports alike.
+_RATE_PREFIX = re.compile(r"\b(?:rate|irate|increase)\(\s*$")
+_ONE_REPLICA_PREFIX = re.compile(r"\b(?:max|min|avg)\s*(?:(?:by|without)\s*\([^()]*\)\s*)?\(\s*$")
+_GRAFANA_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
+
+
+def promql_series(expr: str) -> list[tuple[str, int]]:
+    """The series names an expression selects, with their offsets: every identifier that is not
+    a function, an aggregation, a keyword, a label or a value inside ``{}`` / ``[]``."""
+    blank = _PROMQL_STRING.sub(lambda m: " " * len(m.group()), expr)
+    blank = _PROMQL_BLANKED.sub(lambda m: " " * len(m.group()), blank)
+    return [(m.group(1), m.start(1)) for m in _PROMQL_WORD.finditer(blank)
+            if not m.group(2) and m.group(1) not in _PROMQL_KEYWORDS]
+
+
+def dashboard_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel, those inside collapsed rows too."""
+    out = []
+    for panel in dashboard.get("panels") or []:
+        out.append(panel)
+        out += panel.get("panels") or []
+    return out
+
+
+
 # --------------------------------------------------------------------------- the rules
 
 
@@ -488,7 +622,8 @@ def check_ports_and_lb(compose: Compose, nginx_text: str, config: cfg.Config) ->
     assert api.get("deploy", {}).get("replicas") == 2, "api: deploy.replicas must be 2"
     assert "container_name" not in api, "api: container_name prevents replicas and --scale"
 
-    publishers = {name for name, svc in svcs.items() if svc.get("ports")}
+    # Services of a profile (monitoring) are opt-in; check_monitoring has their rules.
+    publishers = {name for name, svc in svcs.items() if svc.get("ports") and not svc.get("profiles")}
     assert publishers == {LB_SERVICE}, f"only {LB_SERVICE} may publish host ports, got {sorted(publishers)}"
 
     health = healthcheck_text(api)
@@ -644,7 +779,9 @@ def check_dockerfile(text: str) -> None:
                 continue
             assert "[test" not in rest, f"pip installs test extras: {rest}"
             assert " -e " not in f" {rest} ", f"editable install in an image: {rest}"
-            targets = [w for w in rest.split("pip install", 1)[1].split() if not w.startswith("-")]
+            # A target may name extras: "/src[otel]".
+            targets = [w.strip("'\"").split("[")[0] for w in rest.split("pip install", 1)[1].split()
+                       if not w.startswith("-")]
             workdir = final_workdir(stage) or "/"
             if any(_in_dir(workdir, t) in project_dirs for t in targets):
                 installers.append((index, stage))
@@ -666,6 +803,214 @@ def check_dockerignore(text: str) -> None:
                  "dispatcher/config/__init__.py", "api/app.py", "workers/worker.py"):
         assert (ROOT / path).exists(), f"{path} moved: update this test"
         assert not dockerignored(path, patterns), f".dockerignore leaves out {path}, which the image needs"
+
+
+def _monitoring_service(svcs: dict[str, dict[str, Any]], images: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    found = [(name, svc) for name, svc in svcs.items() if image_name(svc)[0] in images]
+    assert len(found) == 1, f"expected one service running {' or '.join(images)}, got {[n for n, _ in found]}"
+    return found[0]
+
+
+def check_monitoring(compose: Compose, root: Path = ROOT) -> tuple[str, Path]:
+    """Prometheus and Grafana behind the ``monitoring`` profile, wired to the api replicas and to
+    each other through files that exist. Returns Grafana's Prometheus datasource uid and the
+    dashboard directory it loads."""
+    svcs = services(compose)
+    prom_name, prom = _monitoring_service(svcs, (PROMETHEUS_IMAGE,))
+    graf_name, graf = _monitoring_service(svcs, GRAFANA_IMAGES)
+    for name, svc in ((prom_name, prom), (graf_name, graf)):
+        assert svc.get("profiles") == [MONITORING_PROFILE], (
+            f"{name} must run only with --profile {MONITORING_PROFILE}, has profiles {svc.get('profiles')}"
+        )
+        repo, tag = image_name(svc)
+        assert re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{name}: pin {repo} to a release, not {tag or 'latest'!r}"
+        for entry in svc.get("ports") or []:
+            assert str(entry).startswith("127.0.0.1:"), (
+                f"{name} publishes {entry} beyond the host's loopback: it asks for no key"
+            )
+    core = [API_SERVICE, LB_SERVICE, "redis", *parsed_by_role(compose, "worker"),
+            *parsed_by_role(compose, "fake-provider")]
+    for name in core:
+        assert not svcs[name].get("profiles"), f"{name} has profiles: plain `docker compose up` would not start it"
+    for name, svc in svcs.items():
+        for source, _ in bind_mounts(svc):
+            assert (root / source).exists(), f"{name} mounts {source}, which does not exist"
+
+    # Prometheus: its config file is ours, and it scrapes every api replica.
+    command = prom.get("command") or []
+    prom_argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    config_path = flag_value(prom_argv, "--config.file", "/etc/prometheus/prometheus.yml")
+    prom_file = host_path(prom, config_path, root)
+    assert prom_file is not None, f"{prom_name} reads {config_path}, which no volume mounts"
+    assert prom_file.is_file(), f"{prom_name} reads {config_path}, which no volume mounts"
+    prom_config = yaml.safe_load(prom_file.read_text())
+    scrape_interval = check_scrape(compose, prom_config)
+    prom_port = int(flag_value(prom_argv, "--web.listen-address", ":9090").rsplit(":", 1)[1])
+
+    # Grafana: provisioned with that Prometheus and with the dashboard directory.
+    env = environment(graf)
+    provisioning_path = env.get("GF_PATHS_PROVISIONING", "/etc/grafana/provisioning")
+    provisioning = host_path(graf, provisioning_path, root)
+    missing = f"{graf_name}: nothing is mounted at its provisioning directory {provisioning_path}"
+    assert provisioning is not None, missing
+    assert provisioning.is_dir(), missing
+    sources = [ds for f in sorted((provisioning / "datasources").glob("*.y*ml"))
+               for ds in (yaml.safe_load(f.read_text()) or {}).get("datasources") or []]
+    proms = [ds for ds in sources if ds.get("type") == "prometheus"]
+    assert len(proms) == 1, f"{graf_name}: expected one provisioned prometheus datasource, got {len(proms)}"
+    url = urlsplit(str(proms[0].get("url", "")))
+    assert (url.hostname, url.port) == (prom_name, prom_port), (
+        f"grafana's datasource url {proms[0].get('url')} is not the {prom_name} service ({prom_name}:{prom_port})"
+    )
+    uid = proms[0].get("uid")
+    assert uid, "the provisioned datasource needs a fixed uid for the dashboard to name"
+    time_interval = (proms[0].get("jsonData") or {}).get("timeInterval")
+    assert time_interval == scrape_interval, (
+        f"datasource timeInterval {time_interval!r} differs from Prometheus' scrape_interval {scrape_interval!r}: "
+        "$__rate_interval would be wrong"
+    )
+    dirs = []
+    for f in sorted((provisioning / "dashboards").glob("*.y*ml")):
+        for provider in (yaml.safe_load(f.read_text()) or {}).get("providers") or []:
+            path = str((provider.get("options") or {}).get("path", ""))
+            found = host_path(graf, path, root)
+            assert found is not None, f"{graf_name} loads dashboards from {path}, where no directory is mounted"
+            assert found.is_dir(), f"{graf_name} loads dashboards from {path}, where no directory is mounted"
+            dirs.append(found)
+    assert dirs, f"{graf_name}: no dashboard provider in {provisioning_path}/dashboards"
+    dashboards = [d for d in dirs if any(d.glob("*.json"))]
+    assert dashboards, f"{graf_name}: the dashboard directories {dirs} hold no JSON dashboard"
+    home = env.get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    if home:
+        found = host_path(graf, home, root)
+        assert found is not None, f"{graf_name}: the home dashboard {home} is not mounted"
+        assert found.is_file(), f"{graf_name}: the home dashboard {home} is not mounted"
+    assert prom_name in depends_on(graf), f"{graf_name} must start after {prom_name}"
+    return str(uid), dashboards[0]
+
+
+def check_scrape(compose: Compose, prom_config: dict[str, Any]) -> str:
+    """Every target is a compose service; the api replicas are found one by one. Returns the
+    scrape interval."""
+    svcs = services(compose)
+    api_port = parse_iop(API_SERVICE, command_of(API_SERVICE, svcs[API_SERVICE])).port
+    every_replica = False
+    for job in prom_config.get("scrape_configs") or []:
+        name = job.get("job_name")
+        path = job.get("metrics_path", "/metrics")
+        for static in job.get("static_configs") or []:
+            for target in static.get("targets") or []:
+                host = str(target).rpartition(":")[0]
+                assert host in svcs, f"scrape job {name}: {host} is not a compose service"
+                assert host != LB_SERVICE, f"scrape job {name} scrapes through {LB_SERVICE}: one replica per scrape"
+                assert host != API_SERVICE, (
+                    f"scrape job {name}: static target {target} reaches one replica per scrape; "
+                    "use dns_sd_configs of type A"
+                )
+        for sd in job.get("dns_sd_configs") or []:
+            for host in sd.get("names") or []:
+                assert host in svcs, f"scrape job {name}: {host} is not a compose service"
+                assert host != LB_SERVICE, f"scrape job {name} scrapes through {LB_SERVICE}: one replica per scrape"
+                if host == API_SERVICE:
+                    found = (sd.get("type"), sd.get("port"), path)
+                    assert found == ("A", api_port, "/metrics"), (
+                        f"scrape job {name}: the api replicas answer GET /metrics on port {api_port} "
+                        f"(dns_sd_configs type A), not {found}"
+                    )
+                    every_replica = True
+    assert every_replica, (
+        f"no scrape job finds every api replica: dns_sd_configs type A, names [{API_SERVICE}], port {api_port}"
+    )
+    return str((prom_config.get("global") or {}).get("scrape_interval", "1m"))
+
+
+def check_dashboard(dashboard: dict[str, Any], series: dict[str, Series], datasource_uid: str) -> None:
+    """A Grafana dashboard over the series /metrics really exposes, aggregated the way each
+    kind must be across replicas, on the provisioned datasource."""
+    for key in ("uid", "title"):
+        assert dashboard.get(key), f"dashboard: no {key}"
+    assert int(dashboard.get("schemaVersion", 0)) >= 36, f"dashboard: schemaVersion {dashboard.get('schemaVersion')}"
+    variables = {v.get("name"): v for v in (dashboard.get("templating") or {}).get("list") or []}
+    ds_variables = {n for n, v in variables.items() if v.get("type") == "datasource" and v.get("query") == "prometheus"}
+    for name in ds_variables:
+        current = (variables[name].get("current") or {}).get("value")
+        assert current in (None, datasource_uid), (
+            f"dashboard: variable {name} defaults to {current!r}, the provisioned datasource is {datasource_uid!r}"
+        )
+    allowed_uids = {datasource_uid, *(f"${{{n}}}" for n in ds_variables), *(f"${n}" for n in ds_variables)}
+
+    def check_datasource(where: str, ds: Any) -> None:
+        uid = ds.get("uid") if isinstance(ds, dict) else ds
+        assert uid in allowed_uids, (
+            f"{where}: datasource {uid!r} is neither the provisioned {datasource_uid!r} nor a datasource variable"
+        )
+
+    for name, var in variables.items():
+        if var.get("type") == "query":
+            check_datasource(f"variable {name}", var.get("datasource"))
+            query = var.get("query")
+            text = query.get("query", "") if isinstance(query, dict) else str(query or "")
+            for metric in re.findall(r"\b(iop_\w+)", text):
+                assert metric in series, f"variable {name}: {metric} is not a series api/metrics.py defines"
+
+    ids: set[int] = set()
+    cells: dict[tuple[int, int], str] = {}
+    used: set[str] = set()
+    panels = dashboard_panels(dashboard)
+    assert panels, "dashboard: no panels"
+    for panel in panels:
+        title = panel.get("title", "?")
+        assert isinstance(panel.get("id"), int), f"panel {title!r}: id missing or repeated"
+        assert panel["id"] not in ids, f"panel {title!r}: id missing or repeated"
+        ids.add(panel["id"])
+        pos = panel.get("gridPos") or {}
+        assert all(isinstance(pos.get(k), int) for k in "hwxy"), f"panel {title!r}: gridPos {pos}"
+        assert min(pos["w"], pos["h"]) > 0, f"panel {title!r}: gridPos {pos} is empty"
+        assert 0 <= pos["x"] <= 24 - pos["w"], f"panel {title!r}: gridPos {pos} is outside the 24 columns"
+        if panel.get("type") == "row":
+            continue
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"panel {title!r} overlaps {cells[(x, y)]!r}"
+                cells[(x, y)] = title
+        check_datasource(f"panel {title!r}", panel.get("datasource"))
+        targets = panel.get("targets") or []
+        assert targets, f"panel {title!r}: no queries"
+        ref_ids = [t.get("refId") for t in targets]
+        assert all(ref_ids), f"panel {title!r}: refIds {ref_ids}"
+        assert len(set(ref_ids)) == len(ref_ids), f"panel {title!r}: refIds {ref_ids}"
+        for target in targets:
+            expr = str(target.get("expr") or "")
+            where = f"panel {title!r} ({target.get('refId')})"
+            assert expr.strip(), f"{where}: empty expr"
+            if "datasource" in target:
+                check_datasource(where, target["datasource"])
+            check_expr(where, expr, series, set(variables))
+            used.update(name for name, _ in promql_series(expr))
+    missing = sorted(REQUIRED_SERIES - used)
+    assert not missing, f"dashboard: no panel shows {missing}"
+
+
+def check_expr(where: str, expr: str, series: dict[str, Series], variables: set[str]) -> None:
+    for groups in _GRAFANA_VARIABLE.findall(expr):
+        name = next(g for g in groups if g)
+        assert name.startswith("__") or name in variables, f"{where}: ${name} is not a dashboard variable"
+    found = promql_series(expr)
+    assert found, f"{where}: {expr!r} selects no series"
+    for name, offset in found:
+        known = series.get(name)
+        assert known is not None, f"{where}: {name} is not a series api/metrics.py defines"
+        before = expr[:offset]
+        if known.kind in ("counter", "histogram", "summary") and not name.endswith("_created"):
+            assert _RATE_PREFIX.search(before), f"{where}: {name} is a counter: take its rate() or increase()"
+        if known.kind == "gauge" and not known.per_process:
+            assert _ONE_REPLICA_PREFIX.search(before), (
+                f"{where}: every replica reports {name} alike: aggregate it with max by (...), "
+                "a sum over replicas counts it once per replica"
+            )
+        if name.endswith("_bucket"):
+            quantile = "histogram_quantile(" in expr and re.search(r"\bby\s*\([^)]*\ble\b", expr)
+            assert quantile, f"{where}: {name} needs histogram_quantile over sum by (le, ...)"
 
 
 # --------------------------------------------------------------------------- the real files
@@ -731,6 +1076,38 @@ def test_deploy_config_is_the_demo_topology_on_compose_names() -> None:
         assert got_url.hostname not in ("127.0.0.1", "localhost"), f"{got.id}: {got.base_url} is the container itself"
         assert (got_url.port, got_url.path) == (want_url.port, want_url.path), f"{got.id}: {got.base_url}"
         assert msgspec.structs.replace(got, base_url=want.base_url) == want, f"{got.id} differs from the demo"
+
+
+@pytest.fixture(scope="module")
+def series() -> dict[str, Series]:
+    return exposed_series(METRICS_SOURCE.read_text())
+
+
+def test_series_read_from_the_source_are_those_prometheus_client_exposes(series: dict[str, Series]) -> None:
+    """The per-process metrics as the registry names them, and the collector's gauges as families."""
+    from api.metrics import RequestMetrics
+
+    families = list(RequestMetrics().registry.collect())
+    assert families
+    for family in families:
+        sample = {"counter": "_total", "histogram": "_bucket"}.get(family.type, "")
+        assert family.name + sample in series, family.name
+        assert series[family.name + sample].per_process
+    assert {s.family for s in series.values() if s.per_process} == {f.name for f in families}
+    assert "iop_requests" not in series  # a counter is only exposed with _total
+    for gauge in ("iop_provider_in_flight", "iop_model_queued", "iop_tenant_queued"):
+        assert series[gauge] == Series(gauge, "gauge", per_process=False)
+
+
+def test_monitoring_profile(compose: Compose) -> None:
+    uid, dashboards = check_monitoring(compose)
+    assert dashboards.resolve() == DASHBOARD.parent.resolve()
+    assert uid == "iop-prometheus"
+
+
+def test_dashboard_shows_real_series(compose: Compose, series: dict[str, Series]) -> None:
+    uid, _ = check_monitoring(compose)
+    check_dashboard(json.loads(DASHBOARD.read_text()), series, uid)
 
 
 # --------------------------------------------------------------------------- the rules can fail
@@ -937,8 +1314,8 @@ def test_command_rules_catch_an_invalid_config(compose: Compose, tmp_path: Path)
         ('ENTRYPOINT ["iop"]', "ENTRYPOINT iop", "exec form"),
         ("WORKDIR /app\n", "WORKDIR /srv\n", "WORKDIR must be /app"),
         ("COPY . /app\n", "COPY deploy /app/deploy\n", "copy the repo to /app"),
-        ("/opt/venv/bin/pip install /src", "/opt/venv/bin/pip install iop", "no RUN pip install of the copied"),
-        ("/opt/venv/bin/pip install /src", "/opt/venv/bin/pip install '/src[test]'", "test extras"),
+        ('/opt/venv/bin/pip install "/src[otel]"', "/opt/venv/bin/pip install iop", "no RUN pip install of the copied"),
+        ('/opt/venv/bin/pip install "/src[otel]"', "/opt/venv/bin/pip install '/src[test]'", "test extras"),
         ("COPY --from=build /opt/venv /opt/venv", "COPY --from=python:3.11-slim /opt/venv /opt/venv", "never copies"),
     ],
 )
@@ -969,3 +1346,163 @@ def test_dockerignore_rules_catch(drop: str, add: str, message: str) -> None:
         lines.append(add)
     with pytest.raises(AssertionError, match=re.escape(message)):
         check_dockerignore("\n".join(lines))
+
+
+# --- monitoring
+
+
+def _monitoring_mount(c: Compose, name: str, index: int, value: str) -> None:
+    _service(c, name)["volumes"][index] = value
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c: _service(c, "prometheus").pop("profiles"), "prometheus must run only with --profile monitoring"),
+        (lambda c: _service(c, API_SERVICE).update(profiles=["monitoring"]), "api has profiles"),
+        (lambda c: _service(c, "grafana").update(image="grafana/grafana:latest"), "pin grafana/grafana to a release"),
+        (lambda c: _service(c, "grafana").update(image="grafana/grafana"), "not 'latest'"),
+        (lambda c: _service(c, "prometheus").update(ports=["9090:9090"]), "beyond the host's loopback"),
+        (lambda c: _service(c, API_SERVICE).update(ports=["127.0.0.1:8081:8080"]), None),
+        (lambda c: _monitoring_mount(c, "prometheus", 0, "./deploy/prometheus.yaml:/etc/prometheus/prometheus.yml:ro"),
+         "mounts ./deploy/prometheus.yaml, which does not exist"),
+        (lambda c: _monitoring_mount(c, "prometheus", 0, "./deploy/prometheus.yml:/etc/prometheus/other.yml:ro"),
+         "reads /etc/prometheus/prometheus.yml, which no volume mounts"),
+        (lambda c: _monitoring_mount(c, "grafana", 1, "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro"),
+         "loads dashboards from /etc/grafana/dashboards/iop, where no directory is mounted"),
+        (lambda c: _monitoring_mount(c, "grafana", 0, "./deploy/grafana:/etc/grafana/provisioning:ro"),
+         "expected one provisioned prometheus datasource, got 0"),
+        (lambda c: _service(c, "grafana").pop("depends_on"), "grafana must start after prometheus"),
+        (lambda c: services(c).pop("prometheus"), "expected one service running prom/prometheus"),
+        (lambda c: _service(c, "prometheus").update(command=["--config.file=/etc/prometheus/p.yml"]),
+         "reads /etc/prometheus/p.yml, which no volume mounts"),
+    ],
+)
+def test_monitoring_rules_catch(compose: Compose, mutate: Callable[[Compose], None], message: str | None) -> None:
+    broken = copy.deepcopy(compose)
+    mutate(broken)
+    if message is None:  # a core service publishing is check_ports_and_lb's business
+        check_monitoring(broken)
+        return
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_monitoring(broken)
+
+
+@pytest.mark.parametrize(
+    ("file", "old", "new", "message"),
+    [
+        ("prometheus.yml", "names: [api]", "names: [lb]", "scrapes through lb"),
+        ("prometheus.yml", "names: [api]", "names: [apii]", "apii is not a compose service"),
+        ("prometheus.yml", "port: 8080", "port: 8000", "answer GET /metrics on port 8080"),
+        ("prometheus.yml", "type: A", "type: SRV", "answer GET /metrics on port 8080"),
+        ("prometheus.yml", "    metrics_path: /metrics\n", "    metrics_path: /prometheus\n", "GET /metrics"),
+        ("prometheus.yml", "    dns_sd_configs:\n      - names: [api]",
+         "    static_configs:\n      - targets: ['api:8080']\n    dns_sd_configs:\n      - names: [redis]",
+         "static target api:8080 reaches one replica per scrape"),
+        ("prometheus.yml", '["prometheus:9090"]', '["promethus:9090"]', "promethus is not a compose service"),
+        ("prometheus.yml", "scrape_interval: 10s", "scrape_interval: 15s", "differs from Prometheus' scrape_interval"),
+        ("grafana/provisioning/datasources/prometheus.yaml", "http://prometheus:9090", "http://prometheus:9091",
+         "is not the prometheus service (prometheus:9090)"),
+        ("grafana/provisioning/datasources/prometheus.yaml", "    uid: iop-prometheus\n", "", "a fixed uid"),
+        ("grafana/provisioning/dashboards/iop.yaml", "path: /etc/grafana/dashboards/iop",
+         "path: /etc/grafana/dashboards/other", "where no directory is mounted"),
+    ],
+)
+def test_monitoring_file_rules_catch(compose: Compose, tmp_path: Path, file: str, old: str, new: str,
+                                     message: str) -> None:
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    path = tmp_path / "deploy" / file
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_monitoring(compose, tmp_path)
+
+
+def test_monitoring_rules_catch_an_empty_dashboard_directory(compose: Compose, tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    (tmp_path / "deploy" / "grafana" / "dashboards" / "iop.json").rename(tmp_path / "iop.json")
+    with pytest.raises(AssertionError, match="hold no JSON dashboard"):
+        check_monitoring(compose, tmp_path)
+
+
+# The dashboard rules on their own: the real series, plus the three being added alongside this
+# dashboard (token usage, drain) in case api/metrics.py does not define them yet. Once it does,
+# its definitions win; test_dashboard_shows_real_series never uses these.
+_ALONGSIDE = {
+    "iop_tokens_total": Series("iop_tokens", "counter", per_process=True),
+    "iop_provider_tokens_per_second": Series("iop_provider_tokens_per_second", "gauge", per_process=False),
+    "iop_provider_draining": Series("iop_provider_draining", "gauge", per_process=False),
+}
+
+
+def _edit_panel(title: str, edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def mutate(d: dict[str, Any]) -> None:
+        edit(next(p for p in dashboard_panels(d) if p.get("title") == title))
+    return mutate
+
+
+def _drop_panels_with(name: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(d: dict[str, Any]) -> None:
+        d["panels"] = [p for p in d["panels"] if name not in json.dumps(p)]
+    return mutate
+
+
+def _set_expr(title: str, expr: str) -> Callable[[dict[str, Any]], None]:
+    return _edit_panel(title, lambda p: p["targets"][0].update(expr=expr))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set_expr("Queue depth per model", 'max by (model) (iop_model_queue{model=~"$model"})'),
+         "iop_model_queue is not a series api/metrics.py defines"),
+        (_set_expr("Requests/s", "sum(rate(iop_requests[5m]))"), "iop_requests is not a series"),
+        (_set_expr("Queue depth per model", "sum by (model) (iop_model_queued)"), "aggregate it with max by"),
+        (_set_expr("In flight per tenant", "sum(iop_tenant_in_flight) by (tenant)"), "aggregate it with max by"),
+        (_set_expr("Queue depth per model", "iop_model_queued"), "aggregate it with max by"),
+        (_set_expr("Requests/s", "sum(iop_requests_total)"), "iop_requests_total is a counter: take its rate()"),
+        (_set_expr("Tokens/s", "sum(iop_tokens_total)"), "iop_tokens_total is a counter"),
+        (_set_expr("Queue wait p50 / p95 per model",
+                   "histogram_quantile(0.5, sum by (model) (rate(iop_queue_wait_seconds_bucket[5m])))"),
+         "needs histogram_quantile over sum by (le, ...)"),
+        (_set_expr("Queue wait p50 / p95 per model", "sum by (le) (rate(iop_queue_wait_seconds_bucket[5m]))"),
+         "needs histogram_quantile"),
+        (_set_expr("Queue depth per model", 'max by (model) (iop_model_queued{model=~"$modle"})'),
+         "$modle is not a dashboard variable"),
+        (_set_expr("Queue depth per model", 'max by (model) (iop_model_queued{model=~"${modle}"})'),
+         "$modle is not a dashboard variable"),
+        (_set_expr("Queue depth per model", "  "), "empty expr"),
+        (_set_expr("Queue depth per model", "vector(1)"), "selects no series"),
+        (_edit_panel("Queue depth per model", lambda p: p.update(datasource={"type": "prometheus", "uid": "prom"})),
+         "datasource 'prom' is neither the provisioned"),
+        (_edit_panel("Queue depth per model", lambda p: p["targets"][0].update(datasource={"uid": "${DS_PROM}"})),
+         "datasource '${DS_PROM}' is neither"),
+        (_edit_panel("Queue depth per model", lambda p: p.update(id=1)), "id missing or repeated"),
+        (_edit_panel("Oldest wait per model", lambda p: p["gridPos"].update(x=4)), "overlaps 'Queue depth per model'"),
+        (_edit_panel("Oldest wait per model", lambda p: p["gridPos"].update(x=20)), "outside the 24 columns"),
+        (_edit_panel("In flight vs capacity per provider", lambda p: p.update(targets=[])), "no queries"),
+        (_edit_panel("In flight vs capacity per provider", lambda p: p["targets"][1].update(refId="A")), "refIds"),
+        (_drop_panels_with("iop_provider_draining"), "no panel shows ['iop_provider_draining']"),
+        (_drop_panels_with("iop_tokens_total"), "no panel shows ['iop_tokens_total']"),
+        (lambda d: d["templating"]["list"][0]["current"].update(value="other"), "defaults to 'other'"),
+        (lambda d: d["templating"]["list"][1]["query"].update(query="label_values(iop_model_q, model)"),
+         "variable model: iop_model_q is not a series"),
+        (lambda d: d.pop("schemaVersion"), "schemaVersion"),
+        (lambda d: d.pop("uid"), "dashboard: no uid"),
+    ],
+)
+def test_dashboard_rules_catch(series: dict[str, Series], mutate: Callable[[dict[str, Any]], None],
+                               message: str) -> None:
+    known = {**_ALONGSIDE, **series}
+    dashboard = json.loads(DASHBOARD.read_text())
+    check_dashboard(copy.deepcopy(dashboard), known, "iop-prometheus")
+    mutate(dashboard)
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        check_dashboard(dashboard, known, "iop-prometheus")
+
+
+def test_promql_series_skips_functions_labels_and_keywords() -> None:
+    expr = ('histogram_quantile(0.95, sum by (le, model) (rate(iop_x_bucket{status=~"5..", model=~"$m"}'
+            '[$__rate_interval]))) / on (model) group_left max without (node) (iop_y offset 5m) > bool 0 and iop_z')
+    assert [name for name, _ in promql_series(expr)] == ["iop_x_bucket", "iop_y", "iop_z"]

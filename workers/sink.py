@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from redis.exceptions import RedisError
 
 from dispatcher import events
-from dispatcher.events import Assignment, Chunks, Done, End, Meta, Start
+from dispatcher.events import Assignment, Chunks, Done, End, Meta, Start, Usage
 from dispatcher.protocol import EmitOutcome
 from dispatcher.worker_side import WorkerSide
 
@@ -58,6 +58,7 @@ class RedisSink:
         self.started = False  # emit succeeded: output may have reached the client
         self.hold_s = hold_s
         self._final: events.Event | None = None
+        self._usage: Usage | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._unacked: tuple[int, list[bytes]] | None = None  # tried, not known written
@@ -74,6 +75,9 @@ class RedisSink:
 
     def ended(self, upstream_done: bool) -> None:
         self.upstream_done = upstream_done
+
+    def usage(self, usage: Usage) -> None:
+        self._usage = usage
 
     async def chunks(self, payloads: list[bytes]) -> None:
         self._pending.extend(payloads)
@@ -134,6 +138,7 @@ class RedisSink:
 
     def final_event(self) -> events.Event:
         """What ``finish`` writes after a successful call (once ``flush`` wrote the rest)."""
-        if self._final is not None:
+        if isinstance(self._final, Done):
+            self._final.usage = self._usage
             return self._final
-        return End(None if self._seq > 0 else self.meta, self.upstream_done)
+        return End(None if self._seq > 0 else self.meta, self.upstream_done, self._usage)

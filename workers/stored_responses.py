@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 from redis.exceptions import RedisError
 
+from dispatcher.events import Usage
 from workers.adapters.base import Sink
 
 log = logging.getLogger("iop.worker")
@@ -66,6 +67,9 @@ class RememberingSink:
 
     def ended(self, upstream_done: bool) -> None:
         self.inner.ended(upstream_done)
+
+    def usage(self, usage: Usage) -> None:
+        self.inner.usage(usage)
 
     async def _note(self, response_id: str | None) -> None:
         if not response_id:

@@ -12,6 +12,8 @@ Built from small loops that run side by side in one task group:
 * ``Reaper.run_forever`` the shared maintenance round (``dispatcher.reaper``)
 * ``_watch_signals``  SIGTERM/SIGINT: stop taking jobs, let running ones finish within
                       ``drain_grace_s``, cancel the rest, exit
+* ``_watch_hangups``  SIGHUP: read the config file again and apply it (:meth:`reload`):
+                      providers added, removed (they drain), changed
 
 Several worker processes may serve the same node: the consumer group hands each job
 to one of them, and the slot accounting in Redis bounds them together.
@@ -39,7 +41,7 @@ import anyio
 from anyio.abc import TaskGroup
 from redis.exceptions import RedisError
 
-from dispatcher import events, keys
+from dispatcher import events, keys, tracing
 from dispatcher.backoff import Backoff
 from dispatcher.config import Config, NodeConfig
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
@@ -53,19 +55,21 @@ from dispatcher.exceptions import (
     ProviderUnreachable,
     WorkerLost,
 )
-from dispatcher.jsonbody import with_model
+from dispatcher.jsonbody import with_model, with_model_asking_usage
 from dispatcher.multipart import with_field
 from dispatcher.plans import Plans
 from dispatcher.protocol import FinishMode, FinishOutcome, ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import BLOCK_MS, Clients, blocking_timeout, server_warnings
+from dispatcher.reloading import describe_changes, reread
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
 from workers.adapters.factory import make_adapter
-from workers.adapters.openai_http import new_session
+from workers.adapters.openai_http import HttpSession, new_session, session_size
 from workers.sink import JobAborted, RedisSink
 from workers.stored_responses import RememberingSink
+from workers.usage import ASKABLE, completion_tokens
 
 log = logging.getLogger("iop.worker")
 
@@ -98,11 +102,14 @@ class Running:
 
 
 class Worker:
-    def __init__(self, config: Config, node_id: str) -> None:
+    """``config_path``: the file a reload (``SIGHUP``) reads again; None: no reloads."""
+
+    def __init__(self, config: Config, node_id: str, config_path: str | None = None) -> None:
         node = config.node(node_id)
         if node is None:
             raise ConfigError([ConfigProblem("$.nodes", f"no node with id {node_id!r}")])
         self.config = config
+        self.config_path = config_path
         self.node: NodeConfig = node
         self.worker_id = f"{node_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.clients = Clients.open(config.redis)
@@ -112,6 +119,10 @@ class Worker:
         self.side = WorkerSide(calls, self.redis, node_id, self.clients.fast)
         self.reaper = Reaper(calls, self.redis, self.worker_id)
         self.adapters: dict[str, Adapter] = {}
+        # Adapters a reload replaced or whose provider it removed: jobs already dispatched
+        # to them still run on them. Closed at exit.
+        self.retired: dict[str, Adapter] = {}
+        self._sessions: list[HttpSession] = []
         # Redis hands a new entry to whichever consumer is blocked reading. A worker that
         # froze mid-read must stop being one well before its leases expire, or it would
         # swallow the very jobs the reaper hands out again.
@@ -124,6 +135,8 @@ class Worker:
         self._consume_scope: anyio.CancelScope | None = None
         self._next_probe: dict[str, float] = {}
         self._providers_scope: anyio.CancelScope | None = None
+        self._providers_tg: TaskGroup | None = None
+        self._provider_scopes: dict[str, anyio.CancelScope] = {}
         self._wake: dict[str, anyio.Event] = {}
         self._idle: anyio.Event | None = None  # set whenever no job runs (drain waits on it)
         self._renew_soon: anyio.Event | None = None  # set to renew (and learn of cancels) now
@@ -138,7 +151,7 @@ class Worker:
         self._renew_soon = anyio.Event()
         self._consume_scope = anyio.CancelScope()
         self._providers_scope = anyio.CancelScope()
-        session = new_session(sum(p.capacity for p in self.node.providers))
+        session = self._session_for(self.node)
         self.adapters = {p.id: make_adapter(p, session) for p in self.node.providers}
         try:
             await self._wait_for_redis()
@@ -151,6 +164,8 @@ class Worker:
                      ", ".join(f"{p.id}({p.type}, capacity {p.capacity})" for p in self.node.providers))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_signals)
+                if self.config_path is not None:
+                    tg.start_soon(self._watch_hangups)
                 tg.start_soon(self._provider_loops)
                 tg.start_soon(self._cancel_listener)
                 tg.start_soon(self._renew_loop)
@@ -161,9 +176,10 @@ class Worker:
                 tg.cancel_scope.cancel()
             await self._leave_group()
         finally:
-            for adapter in self.adapters.values():
+            for adapter in [*self.adapters.values(), *self.retired.values()]:
                 await adapter.aclose()
-            await session.close()
+            for session in self._sessions:
+                await session.close()
             await self.clients.aclose()
         log.info("worker %s stopped", self.worker_id)
 
@@ -182,6 +198,83 @@ class Worker:
                          signal.Signals(signum).name, len(self.running))
                 self.stop()
                 return
+
+    async def _watch_hangups(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                await self.reload()
+
+    def _session_for(self, node: NodeConfig) -> HttpSession:
+        """An HTTP session whose pool fits the node's capacity (a reload may have raised it)."""
+        needed = sum(p.capacity for p in node.providers)
+        if not self._sessions or session_size(self._sessions[-1]) < needed:
+            self._sessions.append(new_session(needed))
+        return self._sessions[-1]
+
+    async def reload(self) -> bool:
+        """Read the config file again and switch to it; False if it is refused.
+
+        A provider the file no longer has is marked unavailable at once -- every process
+        that still has it in its plans reads that mark before dispatching to it -- and its
+        running jobs finish on its old adapter. A new provider is probed, published and
+        pumped at once; a changed one gets a new adapter (running calls keep the old one)
+        and its new description (capacity, models) at its next heartbeat, which is now.
+        """
+        if self.config_path is None:
+            return False
+        new = reread(self.config_path, self.config)
+        if new is None:
+            return False
+        node = new.node(self.node.id)
+        if node is None:
+            log.error("reload: %s has no node %r, which this worker serves; nothing changed (stop this worker "
+                      "to take the node away)", self.config_path, self.node.id)
+            return False
+        before = {p.id: p for p in self.node.providers}
+        after = {p.id: p for p in node.providers}
+        removed = [pid for pid in before if pid not in after]
+        for pid in removed:
+            self._stop_provider(pid)
+        with anyio.CancelScope(shield=True):
+            for pid in removed:
+                try:
+                    # The running config's plans: the new ones no longer know the provider.
+                    await self.side.heartbeat(pid, "unavailable", [("reason", "removed from the config")])
+                except RedisError as exc:
+                    log.warning("reload: could not mark %s removed (its heartbeat expires instead): %s", pid, exc)
+        log.info("reload: %s applied (%s)", self.config_path, describe_changes(self.config, new))
+        calls = ScriptCalls(self.scripts, new, Plans(new))
+        self.side.calls = calls
+        self.reaper.use(calls)
+        self.config, self.node = new, node
+        session = self._session_for(node)
+        for pid, provider in after.items():
+            if pid not in before:
+                self.adapters[pid] = make_adapter(provider, session)
+                self._start_provider(pid)
+            elif provider != before[pid]:
+                self.retired[f"{pid}@{len(self.retired)}"] = self.adapters[pid]
+                self.adapters[pid] = make_adapter(provider, session)
+                self._probe_now(pid)
+            else:
+                self._heartbeat_now(pid)  # its groups may have changed: pump them with the new plans
+        return True
+
+    def _start_provider(self, provider_id: str) -> None:
+        if self._providers_tg is None:
+            return
+        self._provider_scopes[provider_id] = scope = anyio.CancelScope()
+        self._providers_tg.start_soon(self._provider_loop, provider_id, scope)
+
+    def _stop_provider(self, provider_id: str) -> None:
+        scope = self._provider_scopes.pop(provider_id, None)
+        if scope is not None:
+            scope.cancel()
+        adapter = self.adapters.pop(provider_id, None)
+        if adapter is not None:
+            self.retired[provider_id] = adapter
+        self.health.pop(provider_id, None)
+        self._wake.pop(provider_id, None)
 
     async def _drain(self, jobs: TaskGroup) -> None:
         # No new work for this node's providers from this worker; another live worker of the
@@ -342,7 +435,7 @@ class Worker:
                         self._idle.set()
 
     async def _call(self, job: Assignment, running: Running, sink: RedisSink) -> events.Event | None:
-        adapter = self.adapters.get(job.provider)
+        adapter = self.adapters.get(job.provider) or self.retired.get(job.provider)
         if adapter is None or job.endpoint not in ENDPOINTS:
             return Failed.from_error(
                 ProviderUnreachable(f"node {self.node.id} cannot run {job.endpoint} on provider {job.provider}"),
@@ -355,7 +448,9 @@ class Worker:
                 out: Sink = sink
                 if job.endpoint == RESPONSES:
                     out = RememberingSink(sink, lambda rid: self.side.remember_response(rid, job))
-                await adapter.call(provider_call(job, unwrap(job.body)), out)
+                request = unwrap(job.body)
+                with tracing.provider_span(job, self.node.id, request.traceparent, sink):
+                    await adapter.call(provider_call(job, request, adapter.provider.asks_stream_usage), out)
                 return sink.final_event()
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
@@ -387,7 +482,7 @@ class Worker:
             try:
                 if sink is not None and data is not None and mode == "done":
                     await sink.flush()
-                outcome = await self.side.finish(job, data, mode=mode)
+                outcome = await self.side.finish(job, data, mode=mode, tokens=completion_tokens(final))
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
                     log.info("job %s %s: %s", job.job, why, outcome, extra=job.log_context())
@@ -480,20 +575,29 @@ class Worker:
         assert self._providers_scope is not None
         with self._providers_scope:
             async with anyio.create_task_group() as tg:
+                self._providers_tg = tg
                 for provider in self.node.providers:
-                    tg.start_soon(self._provider_loop, provider.id)
+                    self._start_provider(provider.id)
+                await anyio.sleep_forever()  # a reload may start more
 
     def _probe_now(self, provider_id: str) -> None:
         self._next_probe[provider_id] = 0.0
+        self._heartbeat_now(provider_id)
+
+    def _heartbeat_now(self, provider_id: str) -> None:
         wake = self._wake.get(provider_id)
         if wake is not None:
             wake.set()
 
-    async def _provider_loop(self, provider_id: str) -> None:
+    async def _provider_loop(self, provider_id: str, scope: anyio.CancelScope) -> None:
+        with scope:
+            await self._probe_and_heartbeat(provider_id)
+
+    async def _probe_and_heartbeat(self, provider_id: str) -> None:
         d = self.config.dispatch
-        adapter = self.adapters[provider_id]
         self._next_probe[provider_id] = 0.0
         while True:
+            adapter = self.adapters[provider_id]  # a reload may replace it
             if time.monotonic() >= self._next_probe[provider_id]:
                 result = await adapter.probe(d.probe_timeout_ms / 1000)
                 previous = self.health.get(provider_id)
@@ -511,8 +615,10 @@ class Worker:
                 await wake.wait()
 
     async def _heartbeat(self, provider_id: str) -> None:
-        provider = next(p for p in self.node.providers if p.id == provider_id)
-        result = self.health[provider_id]
+        provider = next((p for p in self.node.providers if p.id == provider_id), None)
+        result = self.health.get(provider_id)
+        if provider is None or result is None:
+            return  # removed by a reload meanwhile
         fields: list[tuple[str, str | int]] = [
             ("node", self.node.id),
             ("type", provider.type),
@@ -529,14 +635,19 @@ class Worker:
         await self.side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
 
 
-def provider_call(job: Assignment, request: RequestEnvelope) -> ProviderCall:
-    """The call a job makes, its model set to the provider's served name."""
+def provider_call(job: Assignment, request: RequestEnvelope, ask_usage: bool = False) -> ProviderCall:
+    """The call a job makes, its model set to the provider's served name; ``ask_usage``: a
+    streamed chat/completions asks for its usage too (the provider's ``stream_usage``)."""
     body = request.body
+    usage_asked = False
     if body and request.content_type == JSON:
-        body = with_model(body, job.target)
+        if ask_usage and job.stream and job.endpoint in ASKABLE and not request.path:
+            body, usage_asked = with_model_asking_usage(body, job.target)
+        else:
+            body = with_model(body, job.target)
     elif body and request.content_type.startswith("multipart/form-data"):
         body = with_field(body, request.content_type, "model", job.target)
     return ProviderCall(
         job.endpoint, body, job.target, job.stream, request.method, request.path, request.content_type,
-        request.headers,
+        request.headers, usage_asked,
     )

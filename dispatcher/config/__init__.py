@@ -33,6 +33,7 @@ from dispatcher.config.schema import (
     RedisConfig,
     ResponsesConfig,
     SentinelConfig,
+    TracingConfig,
     host_port,
 )
 from dispatcher.config.validation import secrets_in_file, validate
@@ -57,6 +58,7 @@ __all__ = [
     "RedisConfig",
     "ResponsesConfig",
     "SentinelConfig",
+    "TracingConfig",
     "host_port",
     "load",
     "normalise_base_url",

@@ -14,6 +14,10 @@ from dispatcher.endpoints import DEFAULT_ENDPOINTS
 
 PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "llamacpp", "openai_api", "cli")
 HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
+# The default of a provider's ``stream_usage``: the runtimes that take
+# stream_options.include_usage. Not openai_api: some hosted APIs refuse the field (Mistral
+# answers 422), and a stream that worked must not start failing.
+STREAM_USAGE_TYPES = frozenset({"vllm", "sglang", "lemonade", "ollama", "llamacpp"})
 CATEGORIES = ("api", "cli", "local_inference")
 
 # The category a provider gets when the config does not name one.
@@ -147,6 +151,16 @@ class ProviderConfig(_Base, frozen=True):
     timeout_s: float = 600.0
     # Endpoint names (dispatcher/endpoints.py) this provider serves; unset = its type's default.
     endpoints: list[str] | None = None
+    # Ask streamed chat/completions for their usage (stream_options.include_usage) when the
+    # caller did not, to count their tokens; the caller still gets what it asked for.
+    # Unset = on for the local runtimes (STREAM_USAGE_TYPES).
+    stream_usage: bool | None = None
+
+    @property
+    def asks_stream_usage(self) -> bool:
+        if self.stream_usage is not None:
+            return self.stream_usage
+        return self.type in STREAM_USAGE_TYPES
 
     @property
     def effective_category(self) -> str:
@@ -187,6 +201,17 @@ class DemoConfig(_Base, frozen=True):
     fake_providers: list[FakeProviderConfig] = []
 
 
+class TracingConfig(_Base, frozen=True):
+    """OpenTelemetry traces (dispatcher/tracing.py); off unless an endpoint is set here or in
+    OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT."""
+
+    # The OTLP/HTTP collector's base URL, as OTEL_EXPORTER_OTLP_ENDPOINT (/v1/traces is added).
+    endpoint: str | None = None
+    service_name: str = "iop"
+    # Of new traces; a caller's traceparent keeps its own sampling decision.
+    sample_ratio: float = 1.0
+
+
 class Config(_Base, frozen=True):
     models: list[ModelConfig] = []
     nodes: list[NodeConfig] = []
@@ -196,6 +221,7 @@ class Config(_Base, frozen=True):
     dispatch: DispatchConfig = DispatchConfig()
     responses: ResponsesConfig = ResponsesConfig()
     demo: DemoConfig = DemoConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)

@@ -93,6 +93,13 @@ def validate(config: Config) -> list[ConfigProblem]:
             f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
             f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")
     problems.extend(_redis_problems(config.redis))
+    tracing = config.tracing
+    if tracing.endpoint is not None and urlsplit(tracing.endpoint).scheme not in ("http", "https"):
+        bad("$.tracing.endpoint", f"must be an http(s) URL (OTLP/HTTP), got {tracing.endpoint!r}")
+    if not tracing.service_name:
+        bad("$.tracing.service_name", "must not be empty")
+    if not 0.0 <= tracing.sample_ratio <= 1.0:
+        bad("$.tracing.sample_ratio", f"must be between 0 and 1, got {tracing.sample_ratio}")
     return problems
 
 
@@ -186,6 +193,8 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         yield ConfigProblem(f"{path}.base_url", "must start with http:// or https://")
     if prov.type == "cli" and not prov.command:
         yield ConfigProblem(f"{path}.command", "required for type 'cli' (an argv list)")
+    if prov.type == "cli" and prov.stream_usage:
+        yield ConfigProblem(f"{path}.stream_usage", "a cli provider reports no token usage")
     for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
         yield ConfigProblem(path_, f"duplicate served name {name!r}")
 

@@ -43,10 +43,12 @@ end
 local function tenant_of(job)
   return string.match(job, '^(.-)~') or 'default'
 end
--- Can this provider take work now (healthy, heard from, a capacity)?
+-- Can this provider take work now (healthy, heard from, a capacity, not drained by an
+-- operator: lua/drain.lua)?
 local function provider_ok(pkey, now)
-  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity')
+  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain')
   return v[1] == 'available' and (tonumber(v[2]) or 0) >= now and (tonumber(v[3]) or 0) > 0
+    and (v[4] or '') == ''
 end
 
 -- Is provider `pid` one the job must not go to again (it failed the job before)?
@@ -84,10 +86,10 @@ local function pump(now)
   local function state(pkey)
     local s = pstate[pkey]
     if s == nil then
-      local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'in_flight')
+      local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'in_flight', 'drain')
       local cap = tonumber(v[3]) or 0
       s = {
-        ok = v[1] == 'available' and (tonumber(v[2]) or 0) >= now and cap > 0,
+        ok = v[1] == 'available' and (tonumber(v[2]) or 0) >= now and cap > 0 and (v[5] or '') == '',
         cap = cap,
         inf = tonumber(v[4]) or 0,
       }

@@ -387,6 +387,10 @@ class Scenario:
         await self.up("c")
         assert self.outcomes[-1][1] == 1, self.outcomes[-4:]
 
+        # An operator drains c, then resumes it (which pumps its lanes).
+        assert self.note("drain c", await h.calls.drain("c", "drain")).mark is not None
+        assert self.note("resume c", await h.calls.drain("c", "resume")).mark is None
+
         # A dead replica: the reaper cancels its jobs (waiting and running ones).
         extra, _ = await self.submit("m1")
         await self.redis.zadd(keys.REPLICAS, {"rep1": 1})

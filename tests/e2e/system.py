@@ -300,6 +300,35 @@ class Planned:
             return resp.status_code, resp.read().decode()
 
 
+def answer_problem(planned: Planned, result: Any) -> str | None:
+    """None when ``result`` is exactly the complete answer to ``planned``, else what is wrong."""
+    if not isinstance(result, tuple):
+        return f"no answer: {result!r}"
+    status, text = result
+    if status != 200:
+        return f"status {status}: {text[:300]}"
+    pieces = expected_pieces(planned.tokens)
+    if not planned.stream:
+        answer = json.loads(text)
+        if answer.get("model") != planned.model or answer["choices"][0]["message"]["content"] != "".join(pieces):
+            return f"wrong JSON answer: {text[:300]}"
+        return None
+    payloads = sse_payloads(text)
+    if not payloads or payloads[-1] != "[DONE]" or payloads.count("[DONE]") != 1:
+        return f"stream does not end with one [DONE]: {payloads[-3:]}"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    errors = [c for c in chunks if "error" in c]
+    if errors:
+        return f"stream carries an error: {errors}"
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks]
+    # The role chunk, every content chunk in order and once, the finish chunk.
+    if contents != ["", *pieces, None] or chunks[-1]["choices"][0]["finish_reason"] != "stop":
+        return f"stream chunks wrong: got {contents}, expected {['', *pieces, None]}"
+    if any(c.get("model") != planned.model for c in chunks):
+        return "stream chunk with a wrong model"
+    return None
+
+
 def http_provider(pid: str, ptype: str, port: int, capacity: int, models: list[str], **extra: Any) -> dict[str, Any]:
     return {"id": pid, "type": ptype, "base_url": f"http://127.0.0.1:{port}", "capacity": capacity,
             "models": models, **extra}

@@ -6,11 +6,13 @@ llama-server in this process, answering /health, /v1/models, /props and /slots).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -142,7 +144,7 @@ def test_cli_table_groups_providers_by_node(system: System) -> None:
         assert EXPECTED_CATEGORY[pid] in row.split(), row
     assert set(rows) == set(EXPECTED_HEALTH)
     # hosted is full (1/1) and its group has two waiting: a full bar and the queued count.
-    assert "██████████ 1/1 1.00 2 m-hosted" in " ".join(rows["hosted"].split())
+    assert "██████████ 1/1 1.00 2 0 m-hosted" in " ".join(rows["hosted"].split())  # ... queued, tok/s, models
     assert "░░░░░░░░░░ 0/2 0.00" in rows["up"]
     assert "503" in text  # sick's probe reason is printed under it
     assert "never seen" in text
@@ -248,6 +250,252 @@ def test_ui_page_shows_the_catalog(system: System, tmp_path: Path) -> None:
         finally:
             browser.close()
             system.fakes["up"].control(healthy=True)
+
+
+def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
+    """(width, height, rows of RGB(A) bytes) of an 8-bit, non-interlaced PNG, as Chromium writes them."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", b""
+    while pos < len(png):
+        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        if kind == b"IHDR":
+            header = png[pos + 8:pos + 8 + length]
+        elif kind == b"IDAT":
+            idat += png[pos + 8:pos + 8 + length]
+        pos += 12 + length
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", header)
+    assert (depth, interlace) == (8, 0), (depth, interlace)
+    assert colour in (2, 6), colour  # RGB or RGBA
+    bpp = 3 if colour == 2 else 4
+    raw, stride = zlib.decompress(idat), width * bpp
+    rows: list[bytes] = []
+    prev = bytearray(stride)
+    for r in range(height):
+        kind, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        rows.append(bytes(line[j] for j in range(stride) if bpp == 3 or j % 4 != 3))
+        prev = line
+    return width, height, rows
+
+
+def path_points(d: str) -> list[tuple[float, float]]:
+    return [(float(x), float(y)) for x, y in re.findall(r"[ML]\s*(-?[\d.]+)[ ,]+(-?[\d.]+)", d)]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_page_draws_the_last_minutes(system: System, tmp_path: Path) -> None:
+    """The page keeps what its polls saw and draws it: queue depth per model, load (and tokens/s)
+    per provider, one line per series that moves when the catalog does."""
+    from playwright.sync_api import sync_playwright
+
+    system.wait_available("up", "tool")
+    doc = httpx.get(f"{system.api_url}/catalog", timeout=10).json()
+    models = [m["id"] for m in doc["models"]]
+    providers = [p["id"] for p in doc["providers"]]
+    expected_charts = ["queue", "load"] + (["tokens"] if "tokens_per_s" in doc["providers"][0] else [])
+    held: list[threading.Thread] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{system.api_url}/ui")
+            # attached, not visible: a flat line has no height
+            page.wait_for_selector("[data-testid=chart][data-chart=load] path", state="attached", timeout=15_000)
+            # Traffic while the page polls: 'up' holds what it gets. Its group also has 'tool',
+            # which wins ties and answers at once: bursts of requests to 'pool' until one is held.
+            system.fakes["up"].control(hang=True)
+            for _ in range(10):
+                for _ in range(3):
+                    thread = threading.Thread(target=lambda: httpx.post(
+                        f"{system.api_url}/v1/chat/completions", json={"model": "pool", "messages": []}, timeout=60))
+                    thread.start()
+                    held.append(thread)
+                try:
+                    system.wait_until("a request held by up", lambda: system.in_flight("up") >= 1, timeout=2)
+                    break
+                except TimeoutError:
+                    continue
+            assert system.in_flight("up") >= 1
+            # Until the page has seen up busy, and every series has a line (two points or more).
+            up_load = "[data-chart=load] path[data-series=up]"
+            page.wait_for_function(
+                f"() => Number(document.querySelector('{up_load}').dataset.last) >= 0.5"
+                " && [...document.querySelectorAll('[data-testid=chart] path')].every(p => +p.dataset.points >= 2)",
+                timeout=30_000)
+
+            charts = page.locator("[data-testid=chart]")
+            assert [c.get_attribute("data-chart") for c in charts.all()] == expected_charts
+            series = {str(c.get_attribute("data-chart")): [str(p.get_attribute("data-series"))
+                                                           for p in c.locator("path").all()]
+                      for c in charts.all()}
+            assert series["queue"] == models
+            assert series["load"] == providers
+            if "tokens" in series:
+                assert series["tokens"] == providers
+            box = charts.first.locator("svg").bounding_box()
+            assert box is not None
+            assert box["width"] > 250, box
+            assert box["height"] > 80, box
+            view_box = charts.first.locator("svg").get_attribute("viewBox") or ""
+            view_w, view_h = (float(v) for v in view_box.split()[2:])
+            lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for chart, ids in series.items():
+                for sid in ids:
+                    path = page.locator(f"[data-chart='{chart}'] path[data-series='{sid}']")
+                    points = path_points(path.get_attribute("d") or "")
+                    assert len(points) >= 2, (chart, sid, path.get_attribute("d"))
+                    assert all(0 <= x <= view_w and 0 <= y <= view_h for x, y in points), (chart, sid, points)
+                    assert [x for x, _ in points] == sorted(x for x, _ in points), (chart, sid)
+                    lines[(chart, sid)] = points
+            # The values behind the lines: 'busy' waits with 2, 'hosted' runs 1 of 1, 'up' went from idle to busy.
+            last = {(c, s): page.locator(f"[data-chart='{c}'] path[data-series='{s}']").get_attribute("data-last")
+                    for c, s in lines}
+            assert last[("queue", "busy")] == "2"
+            assert last[("queue", "nowhere")] == "0"
+            assert last[("load", "hosted")] == "1"
+            assert float(last[("load", "up")] or 0) >= 0.5
+            # Higher values are drawn higher (smaller y): busy's queue over nowhere's, up's load rising.
+            assert lines[("queue", "busy")][-1][1] < lines[("queue", "nowhere")][-1][1]
+            assert lines[("load", "up")][-1][1] < lines[("load", "up")][0][1]
+            assert lines[("load", "hosted")][-1][1] < lines[("load", "sick")][-1][1]
+            # Each chart names its series with the latest value.
+            queue_legend = page.locator("[data-chart=queue] .legend").inner_text()
+            assert "busy 2" in queue_legend
+            assert "pool" in queue_legend
+            assert "hosted 100%" in page.locator("[data-chart=load] .legend").inner_text()
+            axis = page.locator("[data-chart=load] svg text").all_text_contents()
+            assert {"0%", "50%", "100%", "now"} <= set(axis)
+            # the left edge: how far back the page has seen, with a minus sign (U+2212)
+            assert re.fullmatch(r"\u2212\d+ s", axis[-3]), axis
+
+            # What a person sees: the charts laid out, and in each picture the lines in their colours.
+            shot = tmp_path / "ui-charts.png"
+            page.locator("#charts-section").screenshot(path=str(shot))
+            width, height, _ = png_pixels(shot.read_bytes())
+            assert width >= 800, width
+            assert height >= 150, height
+            for chart, visible in (("queue", ["busy"]), ("load", ["hosted", "up"])):
+                picture = tmp_path / f"ui-{chart}.png"
+                page.locator(f"[data-chart={chart}] svg").screenshot(path=str(picture))
+                colours = {sid: bytes.fromhex((page.locator(f"[data-chart={chart}] path[data-series={sid}]")
+                                               .get_attribute("stroke") or "").lstrip("#")) for sid in visible}
+                drawn = dict.fromkeys(visible, 0)
+                for row in png_pixels(picture.read_bytes())[2]:
+                    for i in range(0, len(row), 3):
+                        for sid, colour in colours.items():
+                            if sum(abs(a - b) for a, b in zip(row[i:i + 3], colour, strict=True)) <= 12:
+                                drawn[sid] += 1
+                assert all(n >= 40 for n in drawn.values()), (chart, drawn)
+            full = tmp_path / "ui.png"
+            page.screenshot(path=str(full), full_page=True)
+            assert png_pixels(full.read_bytes())[1] > height
+            for table in page.locator("table:visible").all():
+                table_box = table.bounding_box()
+                assert table_box is not None
+                assert table_box["width"] > 100, table_box
+                assert table_box["height"] > 20, table_box
+            assert page.locator("[data-testid=provider]").count() == len(providers)
+        finally:
+            browser.close()
+            system.fakes["up"].control(hang=False)
+            for thread in held:
+                thread.join(timeout=30)
+
+
+def _catalog_shape(poll: int) -> dict[str, Any]:
+    """A catalog as /catalog may answer while fields are added: 'a' and 'b' carry ``drain`` and
+    ``tokens_per_s``, 'c' neither (and capacity 0, so it has no load to draw)."""
+    def provider(pid: str, capacity: int, in_flight: int, **extra: Any) -> dict[str, Any]:
+        return {"id": pid, "node_id": "n1", "type": "vllm", "category": "local_inference", "health": "available",
+                "reason": "", "capacity": capacity, "in_flight": in_flight, "queued": poll, "models": [f"m-{pid}"],
+                "missing_models": [], "lifecycle_capabilities": {}, "endpoints": ["chat/completions"], "slots": None,
+                **extra}
+
+    providers = [provider("a", 4, poll, drain="draining", tokens_per_s=10.0 * poll),
+                 provider("b", 2, 0, drain="drained", tokens_per_s=0.0),
+                 {**provider("c", 0, 0), "health": "unavailable", "reason": "capacity 0"}]
+    candidates = [{"provider": p["id"], "served_name": f"m-{p['id']}", "node_id": "n1", "health": p["health"],
+                   "capacity": p["capacity"], "in_flight": p["in_flight"]} for p in providers]
+    return {"server_time_ms": 1_800_000_000_000 + 3000 * poll, "providers": providers,
+            "models": [{"id": "m", "display_name": "M", "candidates": candidates, "queued": poll,
+                        "oldest_wait_ms": None, "available_slots": 1, "tenants": []}],
+            "nodes": [{"id": "n1", "providers": ["a", "b", "c"]}], "tenants": []}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_page_draws_drain_states_gaps_and_absent_fields() -> None:
+    """The page against canned catalogs, its clock run by the test: drain badges, tokens/s only for
+    providers that report it, no load line without capacity, and a gap where polls failed."""
+    from playwright.sync_api import Route, sync_playwright
+
+    polls = {"n": 0}
+    failures: list[int] = []  # statuses to answer the next polls with
+
+    def answer(route: Route) -> None:
+        poll = polls["n"]
+        polls["n"] += 1
+        if failures:
+            route.fulfill(status=failures.pop(0), body="down")
+        else:
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(_catalog_shape(poll)))
+
+    ui = (Path(__file__).resolve().parents[2] / "api" / "ui.html").read_text()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.clock.install()
+            page.route("http://iop.test/ui", lambda route: route.fulfill(body=ui, content_type="text/html"))
+            page.route("http://iop.test/catalog", answer)
+            page.goto("http://iop.test/ui")
+            queue = "[data-chart=queue] path[data-series=m]"
+
+            def poll_until(points: int) -> None:
+                page.clock.run_for(3000)
+                page.wait_for_function(f"() => document.querySelector('{queue}')?.dataset.points === '{points}'")
+
+            page.wait_for_selector(queue, state="attached")
+            poll_until(2)
+            poll_until(3)
+            # The drain state beside the health, in the providers table and among the candidates.
+            drains = {pid: page.locator(f"[data-provider={pid}] [data-testid=drain]").all_inner_texts()
+                      for pid in "abc"}
+            assert drains == {"a": ["draining"], "b": ["drained"], "c": []}
+            assert page.locator("[data-provider=a] [data-testid=health]").inner_text() == "available"
+            assert page.locator("[data-testid=candidate-drain]").all_inner_texts() == ["draining", "drained"]
+            charts = [c.get_attribute("data-chart") for c in page.locator("[data-testid=chart]").all()]
+            assert charts == ["queue", "load", "tokens"]
+            tokens = page.locator("[data-chart=tokens] path")
+            assert [p.get_attribute("data-series") for p in tokens.all()] == ["a", "b"]
+            assert page.locator("[data-chart=tokens] path[data-series=a]").get_attribute("data-last") == "20"
+            load = {p.get_attribute("data-series"): (p.get_attribute("data-points"), p.get_attribute("data-last"))
+                    for p in page.locator("[data-chart=load] path").all()}
+            assert load == {"a": ("3", "0.5"), "b": ("3", "0"), "c": ("0", "")}
+            # Failed polls draw nothing; the next good one starts a new piece of line.
+            failures += [500, 502, 503]
+            for status in (500, 502, 503):
+                page.clock.run_for(3000)
+                page.wait_for_function(
+                    f"() => document.getElementById('status').textContent.endsWith('catalog answered {status}')")
+            poll_until(4)
+            d = page.locator(queue).get_attribute("d") or ""
+            assert d.count("M") == 2, d
+            assert page.locator(queue).get_attribute("data-last") == "6"
+        finally:
+            browser.close()
 
 
 # --- tenants (flow control) ----------------------------------------------------------------------

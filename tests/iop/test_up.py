@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -456,3 +457,58 @@ def test_up_fails_cleanly_when_a_port_is_taken(tmp_path: Path, start_up: Any, ta
     left = [(pid, cmdline(pid)) for pid in seen | set(up.descendants()) if alive(pid)]
     assert not left, f"left behind: {left}"
     assert not up.reader.is_alive()
+
+
+def test_iop_reload_adds_and_removes_nodes_and_reaches_every_api_process(tmp_path: Path, start_up: Any) -> None:
+    """`iop reload` finds iop up by its pid file: a new node gets a worker, a removed node's
+    worker drains and exits, and both API processes (uvicorn's supervisor would restart
+    them on SIGHUP) apply the file themselves."""
+    config, raw = demo_copy(tmp_path)
+    up: Up = start_up(config, args=("--api-workers", "2"))
+    up.wait_up()
+    gone = next(n for n in raw["nodes"] if n["id"] == "gpu-b")
+    gone_ids = {p["id"] for p in gone["providers"]}
+    raw["nodes"].remove(gone)
+    vllm = raw["nodes"][0]["providers"][0]
+    raw["nodes"].append({"id": "gpu-c", "providers": [{**vllm, "id": "gpu-c-extra", "capacity": 2}]})
+    for model in raw["models"]:
+        model["providers"] = {pid: name for pid, name in model["providers"].items() if pid not in gone_ids}
+    raw["models"][0]["providers"]["gpu-c-extra"] = vllm["models"][0]
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+    done = subprocess.run([sys.executable, "-m", "iop", "reload", "--port", str(up.port)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    up.wait_line("reload: node gpu-b removed; its worker drains and exits")
+    expected = {"gpu-a-vllm", "gpu-a-sglang", "gpu-c-extra"}
+
+    def every_process_reloaded() -> bool:
+        # Two API processes share the port: several reads in a row must all agree.
+        for _ in range(8):
+            providers = httpx.get(f"{up.url}/catalog", timeout=10).json()["providers"]
+            if {p["id"] for p in providers} != expected or any(p["health"] != "available" for p in providers):
+                return False
+        return True
+
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not every_process_reloaded():
+        assert time.monotonic() < deadline, f"not every API process reloaded\n{up.report()}"
+        time.sleep(0.2)
+    while sum(" worker " in cmdline(pid) for pid in children_of(up.proc.pid)) != 2:
+        assert time.monotonic() < deadline, f"the removed node's worker did not exit\n{up.report()}"
+        time.sleep(0.2)
+    model = raw["models"][0]["id"]
+    with httpx.Client(base_url=up.url, timeout=60) as client, ThreadPoolExecutor(8) as pool:
+        # At once: ties go to the same provider, a busy pool spreads.
+        answers = list(pool.map(lambda _: client.post("/v1/chat/completions", json=chat(model)), range(8)))
+    assert [r.status_code for r in answers] == [200] * 8
+    seen = {r.headers["x-iop-provider"] for r in answers}
+    assert seen <= {"gpu-a-vllm", "gpu-c-extra"}
+    assert "gpu-c-extra" in seen
+
+    missing = subprocess.run([sys.executable, "-m", "iop", "reload", "--port", str(free_port())],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert missing.returncode == 2
+    assert "no `iop up` on port" in missing.stderr
+    assert up.interrupt() == 0, up.report()
+    assert not up.descendants()

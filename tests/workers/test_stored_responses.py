@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from dispatcher.events import Usage
 from workers.stored_responses import RememberingSink
 
 pytestmark = pytest.mark.anyio
@@ -35,6 +36,9 @@ class Log:
 
     def ended(self, upstream_done: bool) -> None:
         self.steps.append("ended")
+
+    def usage(self, usage: Usage) -> None:
+        self.steps.append(f"usage {usage.prompt}/{usage.completion}")
 
 
 async def test_a_json_answer_is_remembered_before_it_goes_on() -> None:

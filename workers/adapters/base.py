@@ -2,7 +2,8 @@
 
 An adapter runs one :class:`ProviderCall` and reports the answer to a :class:`Sink`:
 ``done()`` once for a JSON answer, or ``start()`` then ``chunks()`` as the provider
-produces them for a streamed one. Failures are raised as
+produces them for a streamed one; before either ends, ``usage()`` with the tokens the
+provider reported, when it did (``workers/usage.py``). Failures are raised as
 :class:`dispatcher.exceptions.ProviderError` subclasses: ``ProviderRejected`` for the
 provider's own 4xx (passed through to the caller), ``ProviderTimeout`` when
 ``timeout_s`` runs out, ``ProviderUnreachable`` for everything else. Adapters never
@@ -24,6 +25,7 @@ import msgspec
 from dispatcher.config import ProviderConfig
 from dispatcher.endpoints import ENDPOINTS, Endpoint
 from dispatcher.envelope import JSON
+from dispatcher.events import Usage
 
 _PASSED = frozenset({"x-request-id", "request-id", "retry-after"})
 _PASSED_PREFIXES = ("openai-", "x-ratelimit-", "anthropic-")
@@ -48,6 +50,9 @@ class ProviderCall(msgspec.Struct, frozen=True):
     path: str = ""  # under /v1 when not the endpoint's own (responses/{id}/cancel)
     content_type: str = JSON
     headers: Mapping[str, str] = {}
+    # iop, not the caller, asked the stream for its usage: the usage-only chunk stays out
+    # of the answer (workers/usage.py).
+    usage_asked: bool = False
 
     @property
     def spec(self) -> Endpoint:
@@ -88,6 +93,9 @@ class Sink(Protocol):
 
     def ended(self, upstream_done: bool) -> None:
         """A stream ended properly; ``upstream_done``: the provider sent ``[DONE]``."""
+
+    def usage(self, usage: Usage) -> None:
+        """The answer's tokens as the provider reported them (before ``done``/``ended``)."""
 
 
 class Adapter(abc.ABC):

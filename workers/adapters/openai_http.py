@@ -21,6 +21,7 @@ from dispatcher.jsonbody import event_type, is_json_object
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink, passed_headers
 from workers.adapters.probes import probe_http
 from workers.adapters.sse import SSEParser
+from workers.usage import StreamUsage, json_usage
 
 HttpSession = aiohttp.ClientSession
 
@@ -38,6 +39,12 @@ def new_session(connections: int) -> HttpSession:
         auto_decompress=True,
         skip_auto_headers=("User-Agent",),
     )
+
+
+def session_size(session: HttpSession) -> int:
+    """The capacity ``new_session`` sized the session's pool for."""
+    connector = session.connector
+    return connector.limit // 2 if connector is not None else 0
 
 
 class OpenAIHttpAdapter(Adapter):
@@ -106,7 +113,7 @@ class OpenAIHttpAdapter(Adapter):
                 await sink.chunks([data])
             sink.ended(False)
         elif call.stream:
-            await _relay_stream(resp, sink, spec, headers)
+            await _relay_stream(resp, sink, spec, headers, StreamUsage(call, spec))
         else:
             body = await _read_capped(resp, MAX_BODY_BYTES)
             content_type = resp.content_type if "Content-Type" in resp.headers else JSON
@@ -115,6 +122,9 @@ class OpenAIHttpAdapter(Adapter):
             if content_type != JSON and spec.body != "multipart":
                 # Only the audio endpoints answer anything but JSON (text, srt, vtt).
                 raise ProviderUnreachable(f"the provider answered {content_type}, not JSON")
+            usage = json_usage(call, resp.status, content_type, body)
+            if usage is not None:
+                sink.usage(usage)
             await sink.done(resp.status, body, resp.headers.get("Content-Type", JSON), headers)
 
     async def probe(self, timeout_s: float) -> ProbeResult:
@@ -158,7 +168,9 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, provider_id: str) -> N
         f"provider {provider_id} answered {resp.status}: {body[:200].decode(errors='replace')}")
 
 
-async def _relay_stream(resp: aiohttp.ClientResponse, sink: Sink, spec: Endpoint, headers: dict[str, str]) -> None:
+async def _relay_stream(
+    resp: aiohttp.ClientResponse, sink: Sink, spec: Endpoint, headers: dict[str, str], meter: StreamUsage
+) -> None:
     if resp.content_type != "text/event-stream":
         sent = resp.content_type if "Content-Type" in resp.headers else "no content type"
         raise ProviderUnreachable(f"expected an event stream, the provider sent {sent}")
@@ -170,17 +182,20 @@ async def _relay_stream(resp: aiohttp.ClientResponse, sink: Sink, spec: Endpoint
         payloads = parser.feed(data)
         if payloads:
             last = payloads[-1]
-            await _relay_payloads(payloads, sink, typed)
+            await _relay_payloads(payloads, sink, typed, meter)
         if parser.done:
             break
     else:
         payloads = parser.close()
         if payloads:
             last = payloads[-1]
-            await _relay_payloads(payloads, sink, typed)
+            await _relay_payloads(payloads, sink, typed, meter)
     if not parser.done and not (typed and last is not None and _is_terminal(last, spec)):
         # Never an invented end: the caller must be able to tell a cut stream from a whole one.
         raise ProviderUnreachable("the stream ended early" if last is not None else "the stream ended empty")
+    usage = meter.usage
+    if usage is not None:
+        sink.usage(usage)
     sink.ended(parser.done)
 
 
@@ -193,14 +208,20 @@ def _is_terminal(payload: bytes, spec: Endpoint) -> bool:
     return kind is not None and kind.encode() in spec.terminal
 
 
-async def _relay_payloads(payloads: list[bytes], sink: Sink, typed: bool) -> None:
+async def _relay_payloads(payloads: list[bytes], sink: Sink, typed: bool, meter: StreamUsage) -> None:
     """Pass on the good events; the caller gets every chunk before the first bad one."""
     for i, payload in enumerate(payloads):
         if not is_json_object(payload.partition(b"\n")[2] if typed else payload):
             if i:
-                await sink.chunks(payloads[:i])
+                await _pass_on(meter.feed(payloads[:i]), sink)
             raise ProviderUnreachable("the provider sent a stream event that is not a JSON object")
-    await sink.chunks(payloads)
+    await _pass_on(meter.feed(payloads), sink)
+
+
+async def _pass_on(payloads: list[bytes], sink: Sink) -> None:
+    # A batch may be only the usage chunk iop asked for: nothing of it goes on.
+    if payloads:
+        await sink.chunks(payloads)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:

@@ -8,6 +8,8 @@ from typing import Any
 
 import anyio
 
+from dispatcher.events import Usage
+
 
 class RecordingSink:
     """Records what the adapter reports; ``on_first_chunk`` runs inside the first ``chunks()``."""
@@ -18,6 +20,7 @@ class RecordingSink:
         self.payloads: list[bytes] = []
         self.answer: tuple[int, bytes, str] | None = None
         self.headers: dict[str, str] = {}
+        self.reported_usage: Usage | None = None
         self.got_chunk = anyio.Event()
         self._on_first_chunk = on_first_chunk
 
@@ -43,6 +46,9 @@ class RecordingSink:
 
     def ended(self, upstream_done: bool) -> None:
         self.events.append("ended" if upstream_done else "ended without [DONE]")
+
+    def usage(self, usage: Usage) -> None:
+        self.reported_usage = usage
 
     @property
     def objects(self) -> list[dict[str, Any]]:

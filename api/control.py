@@ -1,0 +1,67 @@
+"""Runtime control over HTTP, behind the admin keys: drain a provider (no new dispatch to it
+anywhere in the fleet, its running jobs finish) and resume it (``dispatcher/control.py``).
+
+    POST /admin/providers/{provider_id}/drain
+    POST /admin/providers/{provider_id}/resume
+    GET  /admin/providers/{provider_id}
+
+each answering ``{"provider": id, "drain": "draining" | "drained" | null, "in_flight": n}``.
+
+Apart from the read-only surfaces (``api/operator.py``): those fall back to the caller keys
+when no admin keys are configured, and a caller key must never be able to take providers
+out of the pool, so here that case is refused (403) rather than let through. An API with no
+keys at all (a laptop, the demo) stays open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from litestar import Response, Router, get, post
+from litestar.datastructures import State
+from litestar.params import FromPath
+from redis.exceptions import RedisError
+
+from api.gateway import Gateway
+from dispatcher.control import Control, DrainState
+from dispatcher.exceptions import AdminKeyRequired, RedisUnavailable
+
+
+def _control(state: State) -> Control:
+    gw: Gateway = state.gateway
+    api = gw.config.api
+    if not api.admin_keys_env and (api.api_keys_env or api.keys):
+        raise AdminKeyRequired("Draining and resuming providers needs an admin key: set api.admin_keys_env")
+    # Built per call from what the gateway holds now: a config reload may swap its calls.
+    return Control(gw.jobs.calls, gw.redis)
+
+
+async def _answer(action: Callable[[str], Awaitable[DrainState]], provider_id: str) -> Response[bytes]:
+    try:
+        result = await action(provider_id)
+    except RedisError as exc:
+        raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+    return Response(msgspec.json.encode(result), media_type="application/json")
+
+
+@post("/admin/providers/{provider_id:str}/drain", status_code=200,
+      summary="Stop new dispatch to a provider, fleet-wide; its running jobs finish")
+async def drain(state: State, provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(state).drain, provider_id)
+
+
+@post("/admin/providers/{provider_id:str}/resume", status_code=200,
+      summary="Let a drained provider take jobs again; waiting ones get its free slots at once")
+async def resume(state: State, provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(state).resume, provider_id)
+
+
+@get("/admin/providers/{provider_id:str}", summary="A provider's drain state and running jobs")
+async def provider_state(state: State, provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(state).state, provider_id)
+
+
+def control_router(guards: list[Any]) -> Router:
+    return Router(path="/", route_handlers=[drain, resume, provider_state], guards=guards)

@@ -1,0 +1,29 @@
+-- drain: an operator stops, or lets again, new dispatch to one provider across the fleet
+-- (dispatcher/control.py). The mark is the provider hash's field 'drain', the server ms it
+-- was set: lib/pump.lua hands a marked provider nothing new, while the jobs it runs finish
+-- and release as usual. Heartbeats write only the fields they are given, so the mark
+-- outlives them (and a mark set before the provider's first heartbeat holds from its start).
+--
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[6]    provider hash   KEYS[..] plan keys of the provider's groups
+-- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[4]    'drain': set the mark (one already set keeps its time)
+--            | 'resume': clear it, then pump the provider's groups, so waiting jobs take its
+--            free slots now rather than at its next heartbeat
+-- Returns {mark ('' when open), in_flight, jobs dispatched}
+--!include lib/jobs.lua
+--!include lib/pump.lua
+
+local PROVIDER = KEYS[6]
+local now = now_ms()
+local dispatched = 0
+if ARGV[4] == 'drain' then
+  if (redis.call('HGET', PROVIDER, 'drain') or '') == '' then
+    redis.call('HSET', PROVIDER, 'drain', now)
+  end
+else
+  redis.call('HDEL', PROVIDER, 'drain')
+  dispatched = pump(now)
+end
+local v = redis.call('HMGET', PROVIDER, 'drain', 'in_flight')
+return {v[1] or '', tonumber(v[2]) or 0, dispatched}
