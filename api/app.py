@@ -43,8 +43,11 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         gateway.admin.check(connection.headers)
 
+    async def control_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        gateway.admin.check_control(connection.headers)
+
     app = Litestar(
-        route_handlers=[v1_router(), operator_router([guard]), control_router([guard]), *OPEN_HANDLERS, healthz,
+        route_handlers=[v1_router(), operator_router([guard]), control_router([control_guard]), *OPEN_HANDLERS, healthz,
                         readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),

@@ -20,7 +20,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from dispatcher.exceptions import Unauthorized
+from dispatcher.exceptions import AdminKeyRequired, Unauthorized
 from dispatcher.tenants import Tenants, presented_key
 
 
@@ -55,6 +55,13 @@ class KeyGuard:
             ok |= hmac.compare_digest(presented, key)
         if not ok or not presented:
             raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
+
+    def check_control(self, headers: Mapping[str, str]) -> None:
+        """Runtime control (``api/control.py``): as :meth:`check`, but never on a caller key --
+        a caller must not take providers out of the pool. An API without any key stays open."""
+        self.check(headers)
+        if self.keys is None and self.tenants is not None and not self.tenants.open:
+            raise AdminKeyRequired("Draining and resuming providers needs an admin key: set api.admin_keys_env")
 
 
 def admin_guard(admin_keys_env: str | None, tenants: Tenants) -> KeyGuard:

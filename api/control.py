@@ -9,8 +9,8 @@ each answering ``{"provider": id, "drain": "draining" | "drained" | null, "in_fl
 
 Apart from the read-only surfaces (``api/operator.py``): those fall back to the caller keys
 when no admin keys are configured, and a caller key must never be able to take providers
-out of the pool, so here that case is refused (403) rather than let through. An API with no
-keys at all (a laptop, the demo) stays open.
+out of the pool, so this router's guard (``KeyGuard.check_control``) refuses that case (403)
+rather than let it through. An API with no keys at all (a laptop, the demo) stays open.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ from redis.exceptions import RedisError
 
 from api.gateway import Gateway
 from dispatcher.control import Control, DrainState
-from dispatcher.exceptions import AdminKeyRequired, RedisUnavailable
+from dispatcher.exceptions import RedisUnavailable
 
 
 def _control(state: State) -> Control:
     gw: Gateway = state.gateway
-    api = gw.config.api
-    if not api.admin_keys_env and (api.api_keys_env or api.keys):
-        raise AdminKeyRequired("Draining and resuming providers needs an admin key: set api.admin_keys_env")
     # Built per call from what the gateway holds now: a config reload may swap its calls.
     return Control(gw.jobs.calls, gw.redis)
 

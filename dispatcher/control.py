@@ -49,14 +49,15 @@ class Control:
 
     async def drain(self, provider_id: str) -> DrainState:
         """Mark the provider drained (again: a no-op that keeps the first mark's time)."""
-        self._check(provider_id)
-        done = await self.calls.drain(provider_id, "drain")
-        return DrainState(provider_id, drain_state(done.mark, done.in_flight), max(done.in_flight, 0))
+        return await self._run(provider_id, "drain")
 
     async def resume(self, provider_id: str) -> DrainState:
         """Clear the mark; jobs waiting for the provider's free slots get them at once."""
+        return await self._run(provider_id, "resume")
+
+    async def _run(self, provider_id: str, mode: Literal["drain", "resume"]) -> DrainState:
         self._check(provider_id)
-        done = await self.calls.drain(provider_id, "resume")
+        done = await self.calls.drain(provider_id, mode)
         return DrainState(provider_id, drain_state(done.mark, done.in_flight), max(done.in_flight, 0))
 
     async def state(self, provider_id: str) -> DrainState:

@@ -129,7 +129,7 @@ class StreamUsage:
 
     def feed(self, payloads: list[bytes]) -> list[bytes]:
         """``payloads`` as the caller is to get them, their usage noted on the way."""
-        if not self.on:
+        if not self.on or not payloads:
             return payloads
         # One search in C over the batch (a fast provider's batch is a whole answer), then
         # a look at each payload only from the first that may hold usage on.

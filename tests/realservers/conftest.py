@@ -55,22 +55,22 @@ def _start(kind: str, tmp: pytest.TempPathFactory) -> RealServer:
     return start_llamacpp(tmp.mktemp(kind)) if kind == "llamacpp" else start_litellm(tmp.mktemp(kind))
 
 
-@pytest.fixture(scope="session")
-def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    server = _start("llamacpp", tmp_path_factory)
+def _serve(kind: str, tmp: pytest.TempPathFactory) -> Iterator[RealServer]:
+    server = _start(kind, tmp)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    yield from _serve("llamacpp", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def litellm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    server = _start("litellm", tmp_path_factory)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _serve("litellm", tmp_path_factory)
 
 
 def _provider(pid: str, server: RealServer, endpoints: list[str]) -> dict[str, Any]:

@@ -116,9 +116,13 @@ def start_llamacpp(work: Path) -> RealServer:
     env.pop("VIRTUAL_ENV", None)
     proc = _child("llamacpp", [python, "-m", "llama_cpp.server", "--config_file", str(config_path)], env, work)
     proc.start()
-    server = RealServer("llamacpp", proc, port, {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED})
+    return _ready(RealServer("llamacpp", proc, port, {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED}), "/v1/models")
+
+
+def _ready(server: RealServer, health_path: str) -> RealServer:
+    """``server`` once ``health_path`` answers; stopped if it never does."""
     try:
-        wait_http(proc, f"{server.url}/v1/models", timeout=START_TIMEOUT_S)
+        wait_http(server.proc, f"{server.url}{health_path}", timeout=START_TIMEOUT_S)
     except BaseException:
         server.stop()
         raise
@@ -168,12 +172,7 @@ def start_litellm(work: Path) -> RealServer:
     proc.start()
     server = RealServer("litellm", proc, port, {"gpt": LITELLM_GPT, "claude": LITELLM_CLAUDE,
                                                 "embed": LITELLM_EMBED, "loop": LITELLM_LOOP})
-    try:
-        wait_http(proc, f"{server.url}/health/liveliness", timeout=START_TIMEOUT_S)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _ready(server, "/health/liveliness")
 
 
 def main() -> None:
