@@ -14,7 +14,7 @@ from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
-from api.control import control_router
+from api.control import control_routers
 from api.errors import HANDLERS
 from api.gateway import Gateway, reload_on_hangup
 from api.openapi import document_requests
@@ -43,12 +43,14 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         gateway.admin.check(connection.headers)
 
+    # The socket's peer: iop/serve.py keeps uvicorn from rewriting it from X-Forwarded-For.
     async def control_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-        gateway.admin.check_control(connection.headers)
+        client = connection.scope.get("client")
+        gateway.admin.check_control(connection.headers, client[0] if client else None)
 
     app = Litestar(
-        route_handlers=[v1_router(), operator_router([guard]), control_router([control_guard]), *OPEN_HANDLERS, healthz,
-                        readyz],
+        route_handlers=[v1_router(), operator_router([guard]), *control_routers([guard], [control_guard]),
+                        *OPEN_HANDLERS, healthz, readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
         exception_handlers=HANDLERS,  # type: ignore[arg-type]

@@ -8,11 +8,20 @@ surfaces ``/catalog`` and ``/metrics`` (the ``/ui`` page itself holds no data an
 for a key when ``/catalog`` wants one). Without admin keys the operator surfaces take
 the caller keys; with neither, everything is open. ``/healthz`` and ``/readyz`` are
 always open.
+
+Runtime control (drain, resume: ``api/control.py``) is stricter, because it acts on the
+whole fleet: the admin keys decide, from anywhere; without them a caller key never
+suffices, and an API without any key answers only clients on this machine's loopback --
+Redis's protected mode. The peer is the socket's, never ``X-Forwarded-For``: a header is
+the client's word, and behind a load balancer the peer is the balancer, so control through
+it needs admin keys.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +29,7 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from dispatcher.config import ApiConfig
 from dispatcher.exceptions import AdminKeyRequired, Unauthorized
 from dispatcher.tenants import Tenants, presented_key
 
@@ -56,13 +66,75 @@ class KeyGuard:
         if not ok or not presented:
             raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
 
-    def check_control(self, headers: Mapping[str, str]) -> None:
+    def check_control(self, headers: Mapping[str, str], peer: str | None) -> None:
         """Runtime control (``api/control.py``): as :meth:`check`, but never on a caller key --
-        a caller must not take providers out of the pool. An API without any key stays open."""
+        a caller must not take providers out of the pool -- and, on an API without any key,
+        only for a ``peer`` (the client's IP address, as the socket has it) on loopback."""
         self.check(headers)
-        if self.keys is None and self.tenants is not None and not self.tenants.open:
-            raise AdminKeyRequired("Draining and resuming providers needs an admin key: set api.admin_keys_env")
+        if self.keys is not None:
+            return
+        if self.tenants is not None and not self.tenants.open:
+            raise AdminKeyRequired(
+                "Draining and resuming providers needs an admin key, and a caller key never is one: "
+                "set api.admin_keys_env to an environment variable holding comma-separated admin keys"
+            )
+        if not is_loopback(peer):
+            raise AdminKeyRequired(
+                f"Draining and resuming providers from {peer or 'an unknown address'} needs an admin key: without "
+                "admin keys only clients on this machine's loopback (127.0.0.1, ::1) may, and a load balancer "
+                "in front counts as a remote client. Set api.admin_keys_env to an environment variable holding "
+                "comma-separated admin keys, and send one as Authorization: Bearer <key>"
+            )
 
 
 def admin_guard(admin_keys_env: str | None, tenants: Tenants) -> KeyGuard:
     return KeyGuard(load_keys(admin_keys_env)) if admin_keys_env else KeyGuard(None, tenants)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a peer address is on this machine's loopback: 127.0.0.0/8 or ::1, also as an
+    IPv4-mapped IPv6 address (``::ffff:127.0.0.1``: how a dual-stack socket shows an IPv4
+    client). No address -- a unix socket, or a peer the server could not name -- and
+    anything that is not an IP address is not: the rule fails closed."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def listens_on_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only. A name other
+    than ``localhost`` may resolve anywhere, so it counts as the network."""
+    return host == "localhost" or is_loopback(host)
+
+
+def exposure_notes(api: ApiConfig, host: str) -> list[tuple[int, str]]:
+    """What an API bound to ``host`` with these keys leaves open, as (log level, message):
+    logged once when it starts (``iop/serve.py``)."""
+    notes: list[tuple[int, str]] = []
+    open_api = not api.api_keys_env and not api.keys
+    if open_api and not api.admin_keys_env and not listens_on_loopback(host):
+        notes.append((logging.WARNING, (
+            f"the API listens on {host}, beyond loopback, with no keys: anyone who reaches it can call every "
+            "model and read /catalog and /metrics. Set api.api_keys_env (or api.keys) for callers and "
+            "api.admin_keys_env for operators, or listen on 127.0.0.1"
+        )))
+    if api.admin_keys_env:
+        return notes
+    if open_api:
+        notes.append((logging.INFO, (
+            "no admin keys (api.admin_keys_env): draining and resuming providers answer loopback clients only "
+            "(127.0.0.0/8, ::1), so not through a load balancer; set api.admin_keys_env to control them from "
+            "elsewhere"
+        )))
+    else:
+        notes.append((logging.INFO, (
+            "no admin keys (api.admin_keys_env): draining and resuming providers are refused to everyone, since "
+            "a caller key never suffices; set api.admin_keys_env to use them"
+        )))
+    return notes

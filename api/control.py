@@ -7,10 +7,15 @@ anywhere in the fleet, its running jobs finish) and resume it (``dispatcher/cont
 
 each answering ``{"provider": id, "drain": "draining" | "drained" | null, "in_flight": n}``.
 
-Apart from the read-only surfaces (``api/operator.py``): those fall back to the caller keys
-when no admin keys are configured, and a caller key must never be able to take providers
-out of the pool, so this router's guard (``KeyGuard.check_control``) refuses that case (403)
-rather than let it through. An API with no keys at all (a laptop, the demo) stays open.
+Apart from the read-only surfaces (``api/operator.py``), and guarded more strictly than they
+are, because a drain acts on the whole fleet (``KeyGuard.check_control``): the admin keys
+decide, from anywhere. Without admin keys a caller key never suffices (403: a caller must
+not take providers out of the pool), and an API with no key at all answers only clients on
+loopback (403 to others), so an open API reached over the network cannot drain the fleet.
+
+The read, ``GET /admin/providers/{id}``, takes the read-only surfaces' rule instead (admin
+keys, else caller keys, else open): it shows what ``/catalog`` already shows to the same
+callers (``providers[].drain``, ``in_flight``), so a stricter rule would hide nothing.
 """
 
 from __future__ import annotations
@@ -60,5 +65,6 @@ async def provider_state(state: State, provider_id: FromPath[str]) -> Response[b
     return await _answer(_control(state).state, provider_id)
 
 
-def control_router(guards: list[Any]) -> Router:
-    return Router(path="/", route_handlers=[drain, resume, provider_state], guards=guards)
+def control_routers(read_guards: list[Any], write_guards: list[Any]) -> list[Router]:
+    return [Router(path="/", route_handlers=[drain, resume], guards=write_guards),
+            Router(path="/", route_handlers=[provider_state], guards=read_guards)]

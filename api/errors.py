@@ -10,12 +10,17 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from redis.exceptions import RedisError
 
-from dispatcher.exceptions import ProviderRejected, RedisUnavailable, RequestError, anthropic_error_body, error_body
+from dispatcher.exceptions import (
+    ProviderRejected,
+    RedisUnavailable,
+    RequestError,
+    anthropic_error_body,
+    error_body,
+    openai_error_type,
+)
 
 log = logging.getLogger("iop.api")
 
-_HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -31,6 +36,7 @@ def _answer(request: Request[Any, Any, Any], exc: RequestError) -> Response[obje
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     if isinstance(exc, ProviderRejected):
+        # Already in the endpoint's shape: the worker shaped it, knowing the provider.
         return Response(exc.raw_body, status_code=exc.status, media_type=exc.content_type, headers=headers)
     body = anthropic_error_body(exc.status, exc.message) if anthropic(request) else exc.body()
     return Response(body, status_code=exc.status, headers=headers)
@@ -49,8 +55,7 @@ def http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[
     if anthropic(request):
         body = anthropic_error_body(status, exc.detail)
     else:
-        error_type = _HTTP_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        body = error_body(exc.detail, error_type, code=_HTTP_CODES.get(status))
+        body = error_body(exc.detail, openai_error_type(status), code=_HTTP_CODES.get(status))
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
 
 

@@ -83,7 +83,8 @@ async def _relay(
             submitted = await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, stream,
                                              intake.pinned, tenant)
         except RedisError as exc:
-            wait.settled = True
+            # Not settled: the last try may have gone through with its reply lost, so the
+            # wait's close cancels the job (held through the outage too).
             raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
         if submitted.status == SubmitStatus.FULL:
             wait.settled = True

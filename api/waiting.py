@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from dispatcher.backoff import Backoff
 from dispatcher.events import Chunks, Done, End, Failed, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
 from dispatcher.fastredis import FastRedis
+from dispatcher.holding import held
 from dispatcher.protocol import CancelOutcome, CancelReason, SubmitStatus, Submitted
 from dispatcher.redis_conn import BLOCK_MS, blocking_timeout
 
@@ -105,7 +107,10 @@ class JobWait:
                     raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
 
     async def _deadline_passed(self) -> None:
-        result = await self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT)
+        # Held like the submit: a deadline that passes during a failover or a restart is
+        # decided once Redis is back (it may have been dispatched meanwhile), not answered 503.
+        result = await held(lambda: self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT),
+                            self.gw.config.redis.failover_hold_ms / 1000)
         if result.outcome in (CancelOutcome.REMOVED, CancelOutcome.EXPIRED):
             self.settled = True
             raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
@@ -150,16 +155,10 @@ class JobWait:
         if self.settled:
             return
         self.settled = True
-        give_up = _now() + 2 * self.gw.config.dispatch.lease_ms / 1000
-        backoff = Backoff()
-        while True:
-            try:
-                await self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT)
-                return
-            except RedisError:
-                if _now() > give_up:
-                    return  # its lease, or the reaper's orphan sweep, ends it
-                await backoff.sleep()
+        # Given up after two leases: its lease, or the reaper's orphan sweep, ends it then.
+        with contextlib.suppress(RedisError):
+            await held(lambda: self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT),
+                       2 * self.gw.config.dispatch.lease_ms / 1000)
 
 
 class HangUpWatch:
@@ -243,8 +242,9 @@ class ReplyReader:
         self.waiters.pop(job_id, None)
 
     async def run(self) -> None:
-        # Short delays: while this reader is away, answers already written wait unread.
-        backoff = Backoff(first=0.05, cap=0.5)
+        # Short delays: while this reader is away, answers already written wait unread, and
+        # the requests held through an outage (dispatcher.holding) wait for it once Redis is back.
+        backoff = Backoff(first=0.05, cap=0.2)
         trim = False
         while True:
             commands: list[tuple[str | bytes | int, ...]] = []

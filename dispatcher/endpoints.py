@@ -78,7 +78,9 @@ ENDPOINTS: dict[str, Endpoint] = {
 # What each runtime serves when its provider entry has no ``endpoints:`` list.
 _CORE = ("chat/completions", "completions", "embeddings")
 DEFAULT_ENDPOINTS: dict[str, tuple[str, ...]] = {
-    "vllm": (*_CORE, "responses", "messages", "rerank", "score", "tokenize", "detokenize",
+    # count_tokens: vllm/entrypoints/anthropic/api_router.py (vLLM PR #35588, February 2026); an
+    # older vLLM answers FastAPI's 404, which reaches the caller wrapped in Anthropic's shape.
+    "vllm": (*_CORE, "responses", "messages", "messages/count_tokens", "rerank", "score", "tokenize", "detokenize",
              "audio/transcriptions", "audio/translations"),
     "sglang": (*_CORE, "responses", "rerank", "score", "tokenize", "detokenize"),
     "lemonade": (*_CORE, "responses", "rerank", "audio/transcriptions"),

@@ -72,7 +72,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True):
     code: str
     message: str
     meta: Meta | None = None
-    # A provider's own 4xx answer, passed through unchanged.
+    # A provider's own error answer, passed through (in the endpoint's error shape).
     body: bytes | None = None
     content_type: str = "application/json"
     headers: dict[str, str] = {}

@@ -23,9 +23,10 @@ Hierarchy::
         ├── Overloaded              503 server_overloaded, with Retry-After
         ├── RedisUnavailable        503 redis_unavailable, with Retry-After
         └── ProviderError           the provider call failed (raised in workers, relayed to the API)
-            ├── ProviderUnreachable 502 provider_error (connect error, 5xx, garbage)
+            ├── ProviderUnreachable 502 provider_error (connect error, garbage, a stream cut)
             ├── ProviderTimeout     504 provider_timeout
-            ├── ProviderRejected    the provider's own 4xx, passed through with its body
+            ├── ProviderRejected    the provider's own error status, passed through with its body
+            │                       in the endpoint's error shape (:func:`provider_error_body`)
             ├── WorkerLost          502 worker_lost (the worker died after output started)
             └── JobCancelled        499 cancelled (only ever seen in logs: the client left)
 
@@ -41,8 +42,11 @@ JSON of every OpenAI-style error answer, whether or not an exception carries it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Literal
 
 import msgspec
+
+from dispatcher.endpoints import ErrorShape
 
 
 class IopError(Exception):
@@ -202,14 +206,25 @@ class RedisUnavailable(RequestError):
     retry_after = 1
 
 
+# A provider's own error status that another provider of the lane may well not share
+# (rate limited, overloaded, broken): before any output the job goes to another provider
+# (lua/finish.lua mode 'retry') rather than to the caller. 502 is the proxy in front of a
+# runtime that is down -- the unreachable case iop retries anyway. 504 is not: the
+# provider (or its proxy) ran out of time on this very request, which another provider
+# would likely take as long over, and iop does not retry its own timeout either.
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 529})
+
+
 class ProviderError(RequestError):
     status = 502
     type = "server_error"
     code = "provider_error"
+    # Before any output, another provider of the job's lane may serve it instead.
+    retry_elsewhere = False
 
 
 class ProviderUnreachable(ProviderError):
-    pass
+    retry_elsewhere = True
 
 
 class ProviderTimeout(ProviderError):
@@ -227,20 +242,24 @@ class JobCancelled(ProviderError):
 
 
 class ProviderRejected(ProviderError):
-    """The provider answered 4xx: the caller gets that status and body unchanged."""
+    """The provider answered an error status: the caller gets that status, the provider's
+    headers that pass on, and ``body`` as it goes to the caller (already in the endpoint's
+    error shape: :func:`provider_error_body`)."""
 
     type = "invalid_request_error"
     code = "provider_rejected"
 
     def __init__(
-        self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+        self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None,
+        provider: str = "",
     ) -> None:
-        super().__init__(f"provider answered {status}")
+        super().__init__(f"provider {provider} answered {status}" if provider else f"provider answered {status}")
         self.status = status
         self.raw_body = body
         self.content_type = content_type
         # The provider's own headers that pass on (Retry-After, x-ratelimit-*, ...).
         self.headers.update(headers or {})
+        self.retry_elsewhere = status in RETRIED_STATUSES
 
 
 _BY_CODE: dict[str, type[RequestError]] = {
@@ -273,6 +292,77 @@ def anthropic_error_body(status: int, message: str) -> dict[str, object]:
     """Anthropic's error answer: ``{"type": "error", "error": {"type", "message"}}``."""
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def openai_error_type(status: int) -> str:
+    """The ``type`` of an OpenAI-style error iop words itself, by HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+# The two error shapes, only as far as a client reads them: a body that decodes into its
+# endpoint's one is relayed as the provider wrote it.
+class _OpenAIErrorDetail(msgspec.Struct):
+    message: str
+
+
+class _OpenAIError(msgspec.Struct):
+    error: _OpenAIErrorDetail
+
+
+class _AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class _AnthropicError(msgspec.Struct):
+    type: Literal["error"]
+    error: _AnthropicErrorDetail
+
+
+_SHAPE_DECODERS: dict[ErrorShape, msgspec.json.Decoder[Any]] = {
+    "openai": msgspec.json.Decoder(_OpenAIError),
+    "anthropic": msgspec.json.Decoder(_AnthropicError),
+}
+# Of a body that is not in shape, this much is quoted in the message that wraps it.
+QUOTED_CHARS = 1000
+# The code of an OpenAI-shaped error that wraps a provider's answer.
+WRAPPED_CODE = "upstream_error"
+
+
+def in_error_shape(body: bytes, shape: ErrorShape) -> bool:
+    """Is ``body`` an error answer that the clients of an endpoint with this ``shape`` read?"""
+    try:
+        _SHAPE_DECODERS[shape].decode(body)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def provider_said(provider: str, status: int, body: bytes, cut: bool = False) -> str:
+    """``provider p answered 404: <its body>`` in words: the body's whitespace folded, at most
+    ``QUOTED_CHARS`` of it (``cut``: the body was longer than what was read of it)."""
+    # Four bytes per character at most: enough to fill the quote, never the whole body.
+    text = " ".join(body[: QUOTED_CHARS * 4].decode(errors="replace").split())
+    if not text:
+        return f"provider {provider} answered {status} with an empty body"
+    if cut or len(text) > QUOTED_CHARS or len(body) > QUOTED_CHARS * 4:
+        text = text[:QUOTED_CHARS] + "…"
+    return f"provider {provider} answered {status}: {text}"
+
+
+def provider_error_body(shape: ErrorShape, status: int, body: bytes, provider: str, cut: bool = False) -> bytes:
+    """What the caller gets of a provider's error answer: ``body`` itself, byte for byte, when
+    it is an error of the endpoint's ``shape`` and whole; otherwise (another shape, HTML, text,
+    nothing, or ``cut`` -- longer than iop reads, so no longer JSON) an error of that shape
+    that names the provider and quotes the body, for the SDKs to parse."""
+    if not cut and in_error_shape(body, shape):
+        return body
+    message = provider_said(provider, status, body, cut)
+    if shape == "anthropic":
+        return msgspec.json.encode(anthropic_error_body(status, message))
+    return msgspec.json.encode(error_body(message, openai_error_type(status), code=WRAPPED_CODE))
 
 
 def error_from_code(code: str, message: str) -> RequestError:

@@ -16,7 +16,10 @@ What it does, and nothing more:
 * errors are redis-py's exception classes (``ConnectionError``, ``TimeoutError``,
   ``ResponseError``, ``NoScriptError``), so callers handle both clients alike;
 * a command that times out, or a lost connection, fails every command in flight on that
-  connection (a reply can no longer be matched to its request); the next call reconnects;
+  connection (a reply can no longer be matched to its request); the next call reconnects,
+  and callers that come while it does share its outcome rather than each trying in turn;
+* ``LOADING`` (a restarted Redis reading its data) is ``BusyLoadingError``, a
+  ``ConnectionError``, as in redis-py: the command did not run;
 * with a locator (``dispatcher.redis_topology``: Redis Cluster or Sentinel) it connects to
   the primary the locator names, and a command Redis refuses because the primary is
   elsewhere (``MOVED``, ``READONLY``, ``ASK``) or busy (``TRYAGAIN``, ``CLUSTERDOWN``) did
@@ -38,7 +41,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
-from redis.exceptions import AuthenticationError, ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ConnectionError,
+    NoScriptError,
+    ResponseError,
+    TimeoutError,
+)
 
 if TYPE_CHECKING:
     from dispatcher.redis_topology import Address, Locator
@@ -130,6 +140,10 @@ class _Protocol(asyncio.Protocol):
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(exc)
+                # Marked as seen: a caller may no longer be listening (the rest of a pipeline
+                # after its first failure, a command sent after ASKING), and asyncio would log
+                # "Future exception was never retrieved" for each. One that awaits still gets it.
+                waiter.exception()
 
 
 class FastRedis:
@@ -148,22 +162,29 @@ class FastRedis:
         # None when the address never changes: then nothing is ever asked of it.
         self._locator = locator if locator is not None and locator.dynamic else None
         self._proto: _Protocol | None = None
-        self._connecting: asyncio.Lock | None = None
+        # The connection attempt under way, which every caller arriving meanwhile awaits.
+        self._connecting: asyncio.Future[_Protocol] | None = None
 
     async def _connection(self) -> _Protocol:
         proto = self._proto
         if proto is not None and proto.lost is None:
             return proto
+        # Shared, failure included: while Redis is away, callers queued one behind the other
+        # would each wait out a connect timeout (or a discovery) of their own.
         if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:
-            if self._proto is not None and self._proto.lost is None:
-                return self._proto
+            self._connecting = asyncio.ensure_future(self._reconnect())
+            self._connecting.add_done_callback(_retrieve)
+        return await asyncio.shield(self._connecting)
+
+    async def _reconnect(self) -> _Protocol:
+        try:
             if self._locator is not None and self._proto is not None:
                 # A lost connection may be a failover: the primary may be elsewhere now.
                 self._locator.invalidate(self._proto.address)
             self._proto = await self._connect()
             return self._proto
+        finally:
+            self._connecting = None
 
     async def _connect(self) -> _Protocol:
         if self._locator is None:
@@ -222,6 +243,8 @@ class FastRedis:
                     return reply
             if str(reply).startswith("NOSCRIPT"):
                 raise NoScriptError(str(reply))
+            if str(reply).startswith("LOADING"):
+                raise BusyLoadingError(str(reply))
             raise reply
         return reply
 
@@ -311,6 +334,12 @@ class FastRedis:
         if self._proto is not None:
             self._proto.fail(ConnectionError("client closed"))
             self._proto = None
+
+
+def _retrieve(future: asyncio.Future[_Protocol]) -> None:
+    # Its callers may all have been cancelled: a failure nobody awaits is not worth a log line.
+    if not future.cancelled():
+        future.exception()
 
 
 def _refusal(reply: BaseException) -> str | None:

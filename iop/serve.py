@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import tempfile
@@ -15,10 +16,13 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.supervisors import Multiprocess
 
+from api.auth import exposure_notes
 from api.http_protocol import limited_protocol
 from dispatcher import tracing
 from dispatcher.config import Config
 from iop import logs
+
+log = logging.getLogger("iop.api")
 
 
 def serve_api(
@@ -26,6 +30,9 @@ def serve_api(
     log_format: str | None = None,
 ) -> None:
     logs.configure(log_level, log_format, role="api")
+    # Here, in the one process that binds the port, rather than in each server process.
+    for level, note in exposure_notes(config.api, host):
+        log.log(level, "%s", note)
     # Server processes (one or many) build the app from this file.
     os.environ["IOP_CONFIG"] = os.path.abspath(config_path)
     # uvicorn only calls what `http` names, so a factory serves, though its type asks for a class.
@@ -35,6 +42,10 @@ def serve_api(
         "factory": True, "host": host, "port": port, "loop": "uvloop", "http": http, "log_level": log_level,
         "log_config": logs.uvicorn_config(log_level) or LOGGING_CONFIG, "access_log": False,
         "timeout_graceful_shutdown": 10,
+        # The client address stays the socket's peer: uvicorn would otherwise take it from
+        # X-Forwarded-For (from any peer, with FORWARDED_ALLOW_IPS=*), and runtime control
+        # trusts a loopback peer (api/auth.py).
+        "proxy_headers": False,
     }
     with _metrics_dir(workers):
         if workers > 1:

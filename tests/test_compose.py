@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import yaml
 
+from api.auth import is_loopback
 from dispatcher import config as cfg
 from iop.cli import build_parser, main
 
@@ -133,6 +134,15 @@ def published_ports(svc: dict[str, Any]) -> list[tuple[int | None, int]]:
         else:
             out.append((int(parts[-2]), int(parts[-1])))
     return out
+
+
+def host_address(entry: Any) -> str | None:
+    """The host address a ``ports`` entry binds, short or long syntax; None: every interface."""
+    if isinstance(entry, dict):
+        address = entry.get("host_ip")
+        return str(address) if address else None
+    parts = str(entry).split("/")[0].rsplit(":", 2)
+    return parts[0].strip("[]") if len(parts) == 3 and parts[0] else None
 
 
 def depends_on(svc: dict[str, Any]) -> dict[str, Any]:
@@ -655,6 +665,13 @@ def check_ports_and_lb(compose: Compose, nginx_text: str, config: cfg.Config) ->
     assert (LB_HOST_PORT, listen_port) in published_ports(lb), (
         f"{LB_SERVICE} must publish {LB_HOST_PORT} to nginx's listen port {listen_port}: {lb.get('ports')}"
     )
+    # Without caller keys anyone who reaches the API may use every model: keep it on loopback.
+    if not config.api.api_keys_env and not config.api.keys:
+        for entry in lb.get("ports") or []:
+            assert is_loopback(host_address(entry)), (
+                f"{LB_SERVICE} publishes {entry} beyond the host's loopback, and the config sets no caller keys: "
+                "anyone who reaches the host could use every model (docs/DEPLOY.md, \"Opening it to the network\")"
+            )
 
     # SSE: no buffering, keep-alive HTTP/1.1, X-Accel-Buffering honoured, long reads.
     assert effective(chain, "proxy_buffering") == ["off"], "location /: proxy_buffering must be off"
@@ -1201,6 +1218,36 @@ def test_compose_port_rules_catch(
     mutate(broken)
     with pytest.raises(AssertionError, match=re.escape(message)):
         check_ports_and_lb(broken, NGINX_CONF.read_text(), stack_config)
+
+
+def test_lb_publishes_on_loopback(compose: Compose) -> None:
+    assert [host_address(entry) for entry in services(compose)[LB_SERVICE]["ports"]] == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("ports", [
+    ["8080:8080"], ["0.0.0.0:8080:8080"], ["192.0.2.2:8080:8080"], ["[::]:8080:8080"], ["8080:8080/tcp"],
+    [{"target": 8080, "published": 8080}], [{"target": 8080, "published": "8080", "host_ip": "0.0.0.0"}],
+    ["127.0.0.1:8080:8080", "8080:8080"],
+])
+def test_an_open_api_is_published_on_loopback_only(
+    compose: Compose, stack_config: cfg.Config, ports: list[Any]
+) -> None:
+    opened = copy.deepcopy(compose)
+    _service(opened, LB_SERVICE)["ports"] = ports
+    with pytest.raises(AssertionError, match="beyond the host's loopback, and the config sets no caller keys"):
+        check_ports_and_lb(opened, NGINX_CONF.read_text(), stack_config)
+    # With caller keys the operator may open it.
+    keyed = msgspec.structs.replace(stack_config, api=msgspec.structs.replace(stack_config.api,
+                                                                             api_keys_env="IOP_API_KEYS"))
+    check_ports_and_lb(opened, NGINX_CONF.read_text(), keyed)
+
+
+@pytest.mark.parametrize("ports", [["127.0.0.1:8080:8080"], ["[::1]:8080:8080"], ["127.0.0.2:8080:8080/tcp"],
+                                   [{"target": 8080, "published": 8080, "host_ip": "127.0.0.1"}]])
+def test_loopback_publishes_pass(compose: Compose, stack_config: cfg.Config, ports: list[Any]) -> None:
+    loopback = copy.deepcopy(compose)
+    _service(loopback, LB_SERVICE)["ports"] = ports
+    check_ports_and_lb(loopback, NGINX_CONF.read_text(), stack_config)
 
 
 @pytest.mark.parametrize(

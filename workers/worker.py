@@ -3,8 +3,11 @@ to the node, report every answer back, and give every slot back.
 
 Built from small loops that run side by side in one task group:
 
-* ``_provider_loop``  probe a provider every ``probe_interval_ms``; heartbeat it (with
-                      its health and description) every ``heartbeat_interval_ms``
+* ``_provider_loop``  heartbeat a provider (its health and description) every
+                      ``heartbeat_interval_ms``; probe it every ``probe_interval_ms`` while
+                      it runs nothing, and while it is busy only every
+                      ``busy_probe_interval_ms``, with a check that cannot disturb its
+                      requests (none for some types): its traffic is its health meanwhile
 * ``_consume``        read the node stream through the consumer group and start jobs
 * ``_cancel_listener`` abort a running job when its API says the client left
 * ``_renew_loop``     extend the leases of running jobs a third of a lease after the last
@@ -16,7 +19,13 @@ Built from small loops that run side by side in one task group:
                       providers added, removed (they drain), changed
 
 Several worker processes may serve the same node: the consumer group hands each job
-to one of them, and the slot accounting in Redis bounds them together.
+to one of them, and the slot accounting in Redis bounds them together. It also says
+whether a provider is busy: its ``in_flight``, whichever worker runs the jobs.
+
+A provider's health comes from its probes and from its calls: a call that fails its way
+(unreachable, timed out, a 5xx) marks it unavailable at once with that call's error as
+the reason, and it is probed as soon as it runs nothing; a call it answers whole brings
+it back if only a failed call had put it out.
 
 A run is a (job, fence) pair: after a lease expired the same job may be dispatched to
 this very worker again, and the old run must then stop without touching the new one.
@@ -38,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
 from redis.exceptions import RedisError
 
@@ -51,6 +61,7 @@ from dispatcher.exceptions import (
     ConfigError,
     ConfigProblem,
     ProviderError,
+    ProviderRejected,
     ProviderTimeout,
     ProviderUnreachable,
     WorkerLost,
@@ -90,6 +101,8 @@ class Running:
     abort_reason: str | None = None
     # Its provider failed it before any output: another provider of its lane may take it.
     retry: bool = False
+    # The call failed in a way that says something of the provider (``fails_the_provider``).
+    provider_failed: bool = False
 
     @property
     def key(self) -> RunKey:
@@ -128,12 +141,15 @@ class Worker:
         # swallow the very jobs the reaper hands out again.
         self._block_ms = min(BLOCK_MS, config.dispatch.lease_ms // 3)
         self.health: dict[str, ProbeResult] = {}
+        # Providers whose unavailability only a failed call decided: a call they answer undoes it.
+        self._failed_by_call: set[str] = set()
         self.running: dict[RunKey, Running] = {}
         # Cancels that arrived before their job was read from the stream.
         self.early_cancels: dict[str, float] = {}
         self.draining = False
         self._consume_scope: anyio.CancelScope | None = None
         self._next_probe: dict[str, float] = {}
+        self._next_busy_probe: dict[str, float] = {}
         self._providers_scope: anyio.CancelScope | None = None
         self._providers_tg: TaskGroup | None = None
         self._provider_scopes: dict[str, anyio.CancelScope] = {}
@@ -274,6 +290,7 @@ class Worker:
         if adapter is not None:
             self.retired[provider_id] = adapter
         self.health.pop(provider_id, None)
+        self._failed_by_call.discard(provider_id)
         self._wake.pop(provider_id, None)
 
     async def _drain(self, jobs: TaskGroup) -> None:
@@ -433,6 +450,9 @@ class Worker:
                     self.running.pop(running.key, None)
                     if not self.running and self._idle is not None:
                         self._idle.set()
+                    if running.provider_failed:
+                        # Released: if it runs nothing else now, the whole probe may be asked.
+                        self._probe_now(job.provider)
 
     async def _call(self, job: Assignment, running: Running, sink: RedisSink) -> events.Event | None:
         adapter = self.adapters.get(job.provider) or self.retired.get(job.provider)
@@ -451,15 +471,16 @@ class Worker:
                 request = unwrap(job.body)
                 with tracing.provider_span(job, self.node.id, request.traceparent, sink):
                     await adapter.call(provider_call(job, request, adapter.provider.asks_stream_usage), out)
+                self._answered(job.provider)
                 return sink.final_event()
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
             except ProviderError as exc:
-                if isinstance(exc, ProviderUnreachable | ProviderTimeout):
-                    # Find out now, not at the next probe, whether the provider is still there.
-                    self._probe_now(job.provider)
+                if fails_the_provider(exc):
+                    self._call_failed(job.provider, exc)
+                    running.provider_failed = True
                 # Before any output, another provider of the lane may serve it (lua/finish.lua).
-                running.retry = isinstance(exc, ProviderUnreachable) and not sink.started
+                running.retry = exc.retry_elsewhere and not sink.started
                 return Failed.from_error(exc, sink.meta)
             except RedisError as exc:
                 # The sink held the output as long as it could (see workers/sink.py).
@@ -581,7 +602,10 @@ class Worker:
                 await anyio.sleep_forever()  # a reload may start more
 
     def _probe_now(self, provider_id: str) -> None:
+        """At the next turn of its loop: the whole probe if it runs nothing, else its check
+        that is harmless while busy, whenever it was last asked."""
         self._next_probe[provider_id] = 0.0
+        self._next_busy_probe[provider_id] = 0.0
         self._heartbeat_now(provider_id)
 
     def _heartbeat_now(self, provider_id: str) -> None:
@@ -596,23 +620,85 @@ class Worker:
     async def _probe_and_heartbeat(self, provider_id: str) -> None:
         d = self.config.dispatch
         self._next_probe[provider_id] = 0.0
+        self._next_busy_probe[provider_id] = 0.0
         while True:
-            adapter = self.adapters[provider_id]  # a reload may replace it
+            # Made before the probe and the heartbeat: a wake-up asked during them is kept.
+            self._wake[provider_id] = wake = anyio.Event()
             if time.monotonic() >= self._next_probe[provider_id]:
-                result = await adapter.probe(d.probe_timeout_ms / 1000)
-                previous = self.health.get(provider_id)
-                if previous is None or previous.healthy != result.healthy:
-                    log.info("provider %s is %s%s", provider_id, "available" if result.healthy else "unavailable",
-                             f" ({result.reason})" if result.reason else "")
-                self.health[provider_id] = result
-                self._next_probe[provider_id] = time.monotonic() + d.probe_interval_ms / 1000
+                await self._probe(provider_id)
             try:
                 await self._heartbeat(provider_id)
             except RedisError as exc:
                 log.warning("heartbeat of %s failed: %s", provider_id, exc)
-            self._wake[provider_id] = wake = anyio.Event()
             with anyio.move_on_after(d.heartbeat_interval_ms / 1000):
                 await wake.wait()
+
+    async def _probe(self, provider_id: str) -> None:
+        """The whole probe when the provider runs nothing. While it is busy, every
+        ``busy_probe_interval_ms`` at most, only its adapter's check that cannot disturb
+        the running requests, if it has one: a probe must never be what cuts a stream."""
+        d = self.config.dispatch
+        adapter = self.adapters[provider_id]  # a reload may replace it
+        timeout = d.probe_timeout_ms / 1000
+        now = time.monotonic()
+        # Busy or not, looked at again within a probe interval: a provider that went idle
+        # gets its whole probe then, not a busy interval later.
+        self._next_probe[provider_id] = now + d.probe_interval_ms / 1000
+        if not await self._busy(provider_id):
+            self._next_busy_probe[provider_id] = now + d.busy_probe_period_ms / 1000
+            self._judge(provider_id, await adapter.probe(timeout))
+            return
+        if now < self._next_busy_probe[provider_id]:
+            return
+        self._next_busy_probe[provider_id] = now + d.busy_probe_period_ms / 1000
+        result = await adapter.probe_while_busy(timeout)
+        if result is not None:
+            self._judge(provider_id, self._keeping_details(provider_id, result))
+
+    async def _busy(self, provider_id: str) -> bool:
+        """Does the provider run anything: a job of this worker, or of any worker of the node
+        (its ``in_flight``, which only dispatch and release move)? Not knowing is busy."""
+        if any(r.job.provider == provider_id for r in self.running.values()):
+            return True
+        try:
+            in_flight = await self.redis.hget(keys.provider(provider_id), "in_flight")
+        except RedisError as exc:
+            log.debug("could not tell whether %s is busy (%s): taken as busy", provider_id, exc)
+            return True
+        return int(in_flight or 0) > 0
+
+    def _keeping_details(self, provider_id: str, verdict: ProbeResult) -> ProbeResult:
+        """``verdict``'s health and reason, with the models (loaded, slots) the last whole
+        probe found: a busy probe or a call says nothing of them."""
+        previous = self.health.get(provider_id)
+        if previous is None:
+            return verdict
+        return msgspec.structs.replace(previous, healthy=verdict.healthy, reason=verdict.reason)
+
+    def _judge(self, provider_id: str, result: ProbeResult, by_call: bool = False) -> None:
+        previous = self.health.get(provider_id)
+        if previous is None or previous.healthy != result.healthy:
+            log.info("provider %s is %s%s", provider_id, "available" if result.healthy else "unavailable",
+                     f" ({result.reason})" if result.reason else "")
+        self.health[provider_id] = result
+        if by_call:
+            self._failed_by_call.add(provider_id)
+        else:
+            self._failed_by_call.discard(provider_id)
+
+    def _call_failed(self, provider_id: str, exc: ProviderError) -> None:
+        """Out of rotation at once, with the call's error as the reason; a probe (asked as
+        soon as the provider runs nothing) or a call it answers brings it back."""
+        if provider_id not in self.adapters:
+            return  # removed by a reload: nothing publishes it any more
+        self._judge(provider_id, self._keeping_details(provider_id, ProbeResult(False, str(exc))), by_call=True)
+        self._heartbeat_now(provider_id)
+
+    def _answered(self, provider_id: str) -> None:
+        """A call the provider answered whole: it is healthy, if only a failed call said not."""
+        if provider_id in self._failed_by_call:
+            self._judge(provider_id, self._keeping_details(provider_id, ProbeResult(True, "")))
+            self._heartbeat_now(provider_id)
 
     async def _heartbeat(self, provider_id: str) -> None:
         provider = next((p for p in self.node.providers if p.id == provider_id), None)
@@ -633,6 +719,14 @@ class Worker:
             ("worker", self.worker_id),
         ]
         await self.side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
+
+
+def fails_the_provider(exc: ProviderError) -> bool:
+    """Does a call's error speak of the provider itself (down, hung, broken), not of the
+    request? A 4xx of its own is the caller's business."""
+    if isinstance(exc, ProviderRejected):
+        return exc.status >= 500
+    return isinstance(exc, ProviderUnreachable | ProviderTimeout)
 
 
 def provider_call(job: Assignment, request: RequestEnvelope, ask_usage: bool = False) -> ProviderCall:

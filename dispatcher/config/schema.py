@@ -54,6 +54,9 @@ class RedisConfig(_Base, frozen=True):
     # The url is any one node of a Redis Cluster: iop finds the master serving {iop}.
     cluster: bool = False
     sentinel: SentinelConfig | None = None
+    # While Redis is unreachable (a failover, a restart), a new request waits this long for
+    # it before it is answered 503 redis_unavailable; 0 answers at once.
+    failover_hold_ms: int = 5_000
 
 
 DEFAULT_TENANT = "default"
@@ -105,6 +108,10 @@ class QueueConfig(_Base, frozen=True):
     queue_timeout_ms: int = 30_000
 
 
+# busy_probe_interval_ms unset: this many probe intervals.
+BUSY_PROBE_FACTOR = 12
+
+
 class DispatchConfig(_Base, frozen=True):
     """Timings of the dispatch machinery (leases, heartbeats, reaper)."""
 
@@ -113,7 +120,11 @@ class DispatchConfig(_Base, frozen=True):
     # A provider whose last heartbeat is older than this is not chosen.
     heartbeat_ttl_ms: int = 10_000
     heartbeat_interval_ms: int = 2_000
+    # A provider that runs nothing is probed this often; a busy one only this seldom, and
+    # only with a check that cannot disturb its requests (workers/adapters/probes.py): its
+    # traffic tells meanwhile. Unset: BUSY_PROBE_FACTOR probe intervals (60 s by default).
     probe_interval_ms: int = 5_000
+    busy_probe_interval_ms: int | None = None
     probe_timeout_ms: int = 2_000
     reap_interval_ms: int = 1_000
     # An API replica silent this long is dead: the reaper cancels what it waited on.
@@ -122,6 +133,14 @@ class DispatchConfig(_Base, frozen=True):
     max_attempts: int = 2
     # SIGTERM: running jobs get this long to finish before they are cancelled.
     drain_grace_s: float = 30.0
+
+    @property
+    def busy_probe_period_ms(self) -> int:
+        """How seldom a busy provider is probed: ``busy_probe_interval_ms``, else a multiple
+        of ``probe_interval_ms`` (so that a config with long probe intervals stays valid)."""
+        if self.busy_probe_interval_ms is not None:
+            return self.busy_probe_interval_ms
+        return BUSY_PROBE_FACTOR * self.probe_interval_ms
 
     @property
     def observation_gap_ms(self) -> int:

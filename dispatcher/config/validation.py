@@ -79,6 +79,11 @@ def validate(config: Config) -> list[ConfigProblem]:
                  "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
         if getattr(d, name) <= 0:
             bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
+    busy = d.busy_probe_interval_ms
+    if busy is not None and busy < max(d.probe_interval_ms, 1):
+        bad("$.dispatch.busy_probe_interval_ms",
+            f"must not be shorter than probe_interval_ms ({d.probe_interval_ms}), got {busy}: a busy provider is "
+            "probed less often than an idle one")
     if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:
         bad("$.dispatch.heartbeat_interval_ms",
             f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
@@ -104,6 +109,8 @@ def validate(config: Config) -> list[ConfigProblem]:
 
 
 def _redis_problems(redis: RedisConfig) -> Iterator[ConfigProblem]:
+    if redis.failover_hold_ms < 0:
+        yield ConfigProblem("$.redis.failover_hold_ms", f"must be >= 0 (0: no holding), got {redis.failover_hold_ms}")
     url = urlsplit(redis.url) if redis.url else None
     if (redis.cluster or redis.sentinel) and url is not None and url.scheme not in ("redis", "rediss"):
         yield ConfigProblem("$.redis.url", "Redis Cluster and Sentinel are reached over TCP: use redis:// or rediss://")

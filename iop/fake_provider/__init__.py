@@ -114,8 +114,8 @@ Options and the pipeline
 
 Order of the checks of a pipeline request: the request is recorded (even a malformed one, with
 ``body: null``), then ``api_key`` (401), the ``fake`` overrides when enabled (400), ``hang``,
-``delay_ms``, ``fail_status``, ``garbage``, ``empty_200``, and only then the body itself is
-validated (400). Options (``FakeOptions``, all changed by ``POST /_fake/control``):
+``delay_ms``, ``fail_status``, ``fail_with``, ``garbage``, ``empty_200``, and only then the body
+itself is validated (400). Options (``FakeOptions``, all changed by ``POST /_fake/control``):
 
 ``delay_ms``, ``tokens``, ``token_interval_ms``
     Wait before answering; words per generated answer (and stream chunks, speech writes); pause
@@ -127,6 +127,12 @@ validated (400). Options (``FakeOptions``, all changed by ``POST /_fake/control`
     shuts down (503), or ``hang`` is switched off again (then answered normally); answers 200
     with invalid JSON (non-stream) or a stream with a broken line; ``healthy: false`` makes the
     probes and ``/v1/models`` answer 503 (not the pipeline).
+``fail_with``
+    ``{"status", "body", "content_type", "headers"}`` (``FakeError``): every pipeline request
+    gets exactly this answer, streamed request or not, with the usual per-request headers under
+    the given ones -- what no runtime of the fake's own shapes answers: an HTML page from a proxy,
+    FastAPI's ``{"detail": "Not Found"}`` for a route the server lacks, an Anthropic 529 with its
+    ``retry-after``, an error body of any size.
 ``stream_no_done``
     Chat/completions streams end without ``data: [DONE]``.
 ``empty_200``
@@ -167,8 +173,8 @@ images), ``_common`` (options, the per-request ``_Call``, errors, stream writing
 
 from __future__ import annotations
 
-from ._common import FakeOptions
+from ._common import FakeError, FakeOptions
 from ._common import _OptionsPatch as _OptionsPatch  # the tests check that it covers every option
 from ._server import create_app, run, start
 
-__all__ = ["FakeOptions", "create_app", "run", "start"]
+__all__ = ["FakeError", "FakeOptions", "create_app", "run", "start"]

@@ -18,6 +18,21 @@ def _default_models() -> list[str]:
     return ["fake-model"]
 
 
+_Status = Annotated[int, msgspec.Meta(ge=100, le=599)]
+
+
+class FakeError(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An answer given as it is (``fail_with``): what a server in front of the runtime, or a
+    runtime with its own error shape, answers -- an HTML page, FastAPI's ``{"detail": ...}``,
+    a provider's own error JSON with its ``retry-after``."""
+
+    status: _Status
+    body: str = ""
+    content_type: str = "application/json"
+    headers: dict[str, str] = {}
+    """Set on top of the pipeline's usual headers (``x-request-id``...), replacing any of the same name."""
+
+
 class FakeOptions(msgspec.Struct, kw_only=True):
     """Behaviour of a fake provider; mutable, ``POST /_fake/control`` changes it at run time."""
 
@@ -34,6 +49,8 @@ class FakeOptions(msgspec.Struct, kw_only=True):
     (the Anthropic ones also take ``x-api-key: <api_key>``); 401 otherwise."""
     fail_status: int | None = None
     """When set, every pipeline request answers this status with an error body."""
+    fail_with: FakeError | None = None
+    """When set (and ``fail_status`` is not), every pipeline request gets this answer."""
     hang: bool = False
     """Accept requests and never answer (until the client goes away)."""
     garbage: bool = False
@@ -50,7 +67,6 @@ class FakeOptions(msgspec.Struct, kw_only=True):
 
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-_Status = Annotated[int, msgspec.Meta(ge=100, le=599)]
 
 
 class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -62,6 +78,7 @@ class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[str] | msgspec.UnsetType = msgspec.UNSET
     api_key: str | msgspec.UnsetType | None = msgspec.UNSET
     fail_status: _Status | msgspec.UnsetType | None = msgspec.UNSET
+    fail_with: FakeError | msgspec.UnsetType | None = msgspec.UNSET
     hang: bool | msgspec.UnsetType = msgspec.UNSET
     garbage: bool | msgspec.UnsetType = msgspec.UNSET
     healthy: bool | msgspec.UnsetType = msgspec.UNSET
@@ -274,6 +291,14 @@ class _Call:
         else:
             body = _error_body(message, type_, param, code)
         return web.Response(status=status, body=body, headers=self.headers())
+
+    def canned(self, answer: FakeError) -> web.Response:
+        """``answer`` as it is, with this call's usual headers under its own."""
+        headers = self.headers()
+        headers["Content-Type"] = answer.content_type
+        for name, value in answer.headers.items():
+            headers[name] = value
+        return web.Response(status=answer.status, body=answer.body.encode(), headers=headers)
 
     def json(self, value: Any) -> web.Response:
         """A 200 JSON answer of ``value``."""

@@ -349,6 +349,8 @@ class _FakeProvider:
         if status is not None:
             type_ = "server_error" if status >= 500 else "invalid_request_error"
             return call.fail(status, f"fake provider failure (status {status})", type_)
+        if options.fail_with is not None:
+            return call.canned(options.fail_with)
         if options.garbage:
             if stream:
                 return web.Response(body=_GARBAGE_STREAM, headers=call.headers(_SSE_V1))

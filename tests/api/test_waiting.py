@@ -1,6 +1,7 @@
 """The API's waiting for a job, with a stand-in for Redis: the watchdog's rule for calling a
-job lost, and the cancel retried through an outage. The e2e tests run the same code
-against real processes and a real Redis."""
+job lost, the cancel retried through an outage, and the queue deadline's check held through
+one (``redis.failover_hold_ms``). The e2e tests run the same code against real processes
+and a real Redis."""
 
 from __future__ import annotations
 
@@ -10,22 +11,26 @@ from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from api.waiting import ClientGone, JobWait, ReplyReader, Waiter
 from dispatcher import events
 from dispatcher.events import Chunks, End, Meta, Requeued, Start
-from dispatcher.exceptions import WorkerLost
+from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
 from dispatcher.protocol import SubmitStatus, Submitted
 
 pytestmark = pytest.mark.anyio
 
 
 class FakeJobs:
-    """Job records that are gone; a cancel that fails ``failing`` times before it works."""
+    """Job records that are gone; a cancel that fails ``failing`` times (with ``error``)
+    before it answers ``outcome``."""
 
     def __init__(self, replies: ReplyReader, failing: int = 0) -> None:
         self.replies = replies
         self.failing = failing
+        self.error: Exception = RedisConnectionError("Redis is away")
+        self.outcome = "gone"
         self.cancels: list[str] = []
         self.state_calls = 0
         self.reads_between_ticks = 1
@@ -34,8 +39,8 @@ class FakeJobs:
         self.cancels.append(reason)
         if self.failing:
             self.failing -= 1
-            raise RedisConnectionError("Redis is away")
-        return SimpleNamespace(outcome="gone", wait_ms=0)
+            raise self.error
+        return SimpleNamespace(outcome=self.outcome, wait_ms=0)
 
     async def states(self, job_ids: list[str]) -> list[bytes | None]:
         self.state_calls += 1
@@ -43,11 +48,12 @@ class FakeJobs:
         return [None]
 
 
-def job_wait(lease_ms: int, failing: int = 0) -> tuple[JobWait, FakeJobs]:
+def job_wait(lease_ms: int, failing: int = 0, hold_ms: int = 5000) -> tuple[JobWait, FakeJobs]:
     replies = ReplyReader(None, "reply")  # type: ignore[arg-type]  # never run here
     jobs = FakeJobs(replies, failing)
-    gw = SimpleNamespace(config=SimpleNamespace(dispatch=SimpleNamespace(lease_ms=lease_ms)),
-                         jobs=jobs, replies=replies, models={})
+    config = SimpleNamespace(dispatch=SimpleNamespace(lease_ms=lease_ms),
+                             redis=SimpleNamespace(failover_hold_ms=hold_ms))
+    gw = SimpleNamespace(config=config, jobs=jobs, replies=replies, models={})
     return JobWait(gw, "job-1", "m"), jobs  # type: ignore[arg-type]
 
 
@@ -117,3 +123,50 @@ async def test_a_dispatched_job_is_no_longer_held_to_its_queue_deadline() -> Non
         async with asyncio.timeout(0.3):
             await wait.next_event()
     assert jobs.cancels == []  # no deadline check: the stream just waits for its worker
+
+
+# --- the queue deadline's check, held through an outage --------------------------------------
+
+
+async def test_a_deadline_passing_while_redis_is_away_is_decided_when_it_is_back() -> None:
+    wait, jobs = job_wait(lease_ms=10_000, failing=4)
+    jobs.outcome = "removed"  # still waiting when Redis answers: its deadline has passed
+    wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 10))
+    with pytest.raises(QueueTimeout):
+        await wait.next_event()
+    assert jobs.cancels == ["timeout"] * 5
+    assert wait.settled
+
+
+async def test_a_job_dispatched_during_the_outage_keeps_waiting_for_its_worker() -> None:
+    wait, jobs = job_wait(lease_ms=10_000, failing=3)
+    jobs.outcome = "running"
+    wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 10))
+    # Its worker's answer comes while the deadline's check waits for Redis.
+    asyncio.get_running_loop().call_later(0.03, wait.waiter.push, events.encode(End()))
+    assert await wait.next_event() == End()
+    assert jobs.cancels == ["timeout"] * 4
+
+
+async def test_past_the_hold_a_queued_request_is_answered_redis_unavailable() -> None:
+    wait, _ = job_wait(lease_ms=10_000, failing=1_000, hold_ms=200)
+    wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 0))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(RedisUnavailable):
+        await wait.next_event()
+    assert asyncio.get_running_loop().time() - started >= 0.2
+    assert not wait.settled  # the job may still be in Redis: closing the wait cancels it
+
+
+@pytest.mark.parametrize(("hold_ms", "error"), [(0, RedisConnectionError("Redis is away")),
+                                                (5000, ResponseError("ERR Error running script"))],
+                         ids=["no-hold", "script-error"])
+async def test_a_deadline_check_fails_at_once_without_a_hold_or_on_a_script_error(
+    hold_ms: int, error: Exception
+) -> None:
+    wait, jobs = job_wait(lease_ms=10_000, failing=1_000, hold_ms=hold_ms)
+    jobs.error = error
+    wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 0))
+    with pytest.raises(RedisUnavailable):
+        await wait.next_event()
+    assert jobs.cancels == ["timeout"]

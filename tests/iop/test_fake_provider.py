@@ -22,7 +22,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from iop.fake_provider import FakeOptions, _OptionsPatch, create_app, start
+from iop.fake_provider import FakeError, FakeOptions, _OptionsPatch, create_app, start
 from iop.fake_provider import _responses as fake_responses
 from iop.redis_server import free_port
 
@@ -420,6 +420,49 @@ async def test_fail_status(fake: Fake, status: int) -> None:
     assert (await fake.stats())["completed"] == 3
 
 
+HTML = "<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+
+
+async def test_fail_with_answers_exactly_that_on_every_pipeline_endpoint(fake: Fake) -> None:
+    answer = {"status": 502, "body": HTML, "content_type": "text/html",
+              "headers": {"retry-after": "9", "x-request-id": "r"}}
+    status, body = await post(fake, "/_fake/control", {"fail_with": answer})
+    assert status == 200
+    assert body["fail_with"] == answer
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/tokenize"):
+        async with fake.session.post(path, json={"model": "m", "stream": True}) as resp:
+            assert resp.status == 502
+            assert resp.headers["Content-Type"] == "text/html"
+            assert resp.headers.getall("retry-after") == ["9"]
+            # The given headers replace the usual ones of the same name; the others stay.
+            assert resp.headers.getall("x-request-id") == ["r"]
+            assert resp.headers["x-ratelimit-remaining-requests"] == "99"
+            assert await resp.text() == HTML
+    assert (await fake.stats())["completed"] == 4
+    assert len(await fake.requests()) == 4
+
+
+async def test_fail_with_defaults_and_fail_status_first(fake: Fake) -> None:
+    fake.options.fail_with = FakeError(status=404, body='{"detail":"Not Found"}')
+    async with fake.session.post("/v1/messages/count_tokens", json={"model": "m"}) as resp:
+        assert (resp.status, resp.headers["Content-Type"]) == (404, "application/json")
+        assert resp.headers["request-id"].startswith("req_fake")
+        assert await resp.read() == b'{"detail":"Not Found"}'
+    fake.options.fail_with = FakeError(status=503)
+    async with fake.session.post("/v1/chat/completions", json={"model": "m"}) as resp:
+        assert resp.status == 503
+        assert await resp.read() == b""
+    fake.options.fail_status = 429
+    got, answer = await post(fake, "/v1/chat/completions", {"model": "m"})
+    assert got == 429
+    assert_openai_error(answer)
+    # Cleared, the pipeline answers again.
+    status, _ = await post(fake, "/_fake/control", {"fail_status": None, "fail_with": None})
+    assert status == 200
+    got, _ = await post(fake, "/v1/chat/completions", {"model": "m"})
+    assert got == 200
+
+
 async def test_garbage_json(fake: Fake) -> None:
     fake.options.garbage = True
     async with fake.session.post("/v1/chat/completions", json={"model": "m"}) as resp:
@@ -596,6 +639,7 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         "models": ["x", "y"],
         "api_key": "k",
         "fail_status": 502,
+        "fail_with": None,
         "hang": False,
         "garbage": False,
         "healthy": True,
@@ -625,6 +669,10 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         {"models": [1]},
         {"hang": "yes"},
         {"fail_status": 42},
+        {"fail_with": {"status": 42}},
+        {"fail_with": {"body": "no status"}},
+        {"fail_with": {"status": 500, "headers": {"x": 1}}},
+        {"fail_with": {"status": 500, "unknown": 1}},
         {"unknown_option": 1},
         ["tokens", 3],
     ],

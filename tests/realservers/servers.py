@@ -24,6 +24,7 @@ import yaml
 
 from iop.processes import Child, wait_http
 from iop.redis_server import free_port
+from tests.realservers.tiny_gguf import N_CTX
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVERS_DIR = ROOT / ".venv-servers"
@@ -37,6 +38,9 @@ WHAT = {"llamacpp": "llama-cpp-python", "litellm": "litellm[proxy]"}
 # a pooled model computes no logits.
 LLAMA_CHAT = "tiny-chat"
 LLAMA_EMBED = "tiny-embed"
+# The same file with the whole context the GGUF declares (tiny_gguf.N_CTX): room for answers
+# long enough (about a second of generation here) to meet a health probe on the way.
+LLAMA_LONG = "tiny-long"
 
 # Served names on LiteLLM. ``mock_response`` answers chat, completions, embeddings and the
 # JSON forms of Responses and Messages; LiteLLM 1.77.7 cannot stream those two from a mock
@@ -92,9 +96,9 @@ def _child(name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Ch
     return Child(name, argv, env, log_path=log_dir / f"{name}.log", die_with_parent=False)
 
 
-def start_llamacpp(work: Path) -> RealServer:
+def start_llamacpp(work: Path, long_context: bool = False) -> RealServer:
     """llama-cpp-python's server on a fresh tiny GGUF, one model for generation and one
-    (the same file) for embeddings."""
+    (the same file) for embeddings; ``long_context``: and ``LLAMA_LONG``, for long answers."""
     python = str(python_of("llamacpp"))
     model = work / "tiny.gguf"
     subprocess.run([python, str(Path(__file__).with_name("tiny_gguf.py")), str(model)], check=True,
@@ -108,6 +112,7 @@ def start_llamacpp(work: Path) -> RealServer:
         "models": [
             {**common, "model_alias": LLAMA_CHAT},
             {**common, "model_alias": LLAMA_EMBED, "embedding": True},
+            *([{**common, "model_alias": LLAMA_LONG, "n_ctx": N_CTX}] if long_context else []),
         ],
     }
     config_path = work / "llamacpp.json"
@@ -116,7 +121,8 @@ def start_llamacpp(work: Path) -> RealServer:
     env.pop("VIRTUAL_ENV", None)
     proc = _child("llamacpp", [python, "-m", "llama_cpp.server", "--config_file", str(config_path)], env, work)
     proc.start()
-    return _ready(RealServer("llamacpp", proc, port, {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED}), "/v1/models")
+    models = {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED, **({"long": LLAMA_LONG} if long_context else {})}
+    return _ready(RealServer("llamacpp", proc, port, models), "/v1/models")
 
 
 def _ready(server: RealServer, health_path: str) -> RealServer:

@@ -5,8 +5,9 @@ An adapter runs one :class:`ProviderCall` and reports the answer to a :class:`Si
 produces them for a streamed one; before either ends, ``usage()`` with the tokens the
 provider reported, when it did (``workers/usage.py``). Failures are raised as
 :class:`dispatcher.exceptions.ProviderError` subclasses: ``ProviderRejected`` for the
-provider's own 4xx (passed through to the caller), ``ProviderTimeout`` when
-``timeout_s`` runs out, ``ProviderUnreachable`` for everything else. Adapters never
+provider's own error status (passed through to the caller, its body in the endpoint's error
+shape; ``retry_elsewhere`` for the statuses another provider may not share),
+``ProviderTimeout`` when ``timeout_s`` runs out, ``ProviderUnreachable`` for everything else. Adapters never
 rewrite model ids: the body already names the served target (the rewrite from
 the caller's model id happens once, at dispatch).
 
@@ -27,7 +28,8 @@ from dispatcher.endpoints import ENDPOINTS, Endpoint
 from dispatcher.envelope import JSON
 from dispatcher.events import Usage
 
-_PASSED = frozenset({"x-request-id", "request-id", "retry-after"})
+# retry-after-ms and x-should-retry steer the OpenAI and Anthropic SDKs' own retries.
+_PASSED = frozenset({"x-request-id", "request-id", "retry-after", "retry-after-ms", "x-should-retry"})
 _PASSED_PREFIXES = ("openai-", "x-ratelimit-", "anthropic-")
 
 
@@ -108,7 +110,13 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     async def probe(self, timeout_s: float) -> ProbeResult:
-        """A cheap check that the provider can take work."""
+        """A cheap check that the provider can take work (asked while it runs nothing)."""
+
+    async def probe_while_busy(self, timeout_s: float) -> ProbeResult | None:
+        """A check that cannot disturb the requests the provider is running: its health
+        alone (``models`` and the rest unset). None when the adapter knows no such check;
+        the provider's traffic is then its only health signal while it is busy."""
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release what the adapter holds."""

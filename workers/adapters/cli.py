@@ -92,6 +92,10 @@ class CliAdapter(Adapter):
         # The executable must resolve and start; a command reports no models of its own.
         return await probe_command(command[0], _child_env(self.provider.api_key_env), timeout_s)
 
+    async def probe_while_busy(self, timeout_s: float) -> ProbeResult | None:
+        # ``--version`` runs in a process of its own: the running calls never see it.
+        return await self.probe(timeout_s)
+
     def _argv(self, target: str) -> list[str]:
         command = self.provider.command
         if not command:

@@ -16,10 +16,16 @@ import aiohttp
 from dispatcher.config import ProviderConfig
 from dispatcher.endpoints import Endpoint
 from dispatcher.envelope import JSON
-from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
+from dispatcher.exceptions import (
+    ProviderRejected,
+    ProviderTimeout,
+    ProviderUnreachable,
+    provider_error_body,
+    provider_said,
+)
 from dispatcher.jsonbody import event_type, is_json_object
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink, passed_headers
-from workers.adapters.probes import probe_http
+from workers.adapters.probes import probe_http, probe_http_busy
 from workers.adapters.sse import SSEParser
 from workers.usage import StreamUsage, json_usage
 
@@ -27,6 +33,7 @@ HttpSession = aiohttp.ClientSession
 
 # A JSON answer larger than this is refused rather than held in memory.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# An error answer is read this far; a longer one is wrapped, never relayed cut.
 _ERROR_BODY_BYTES = 64 * 1024
 
 
@@ -104,7 +111,7 @@ class OpenAIHttpAdapter(Adapter):
         return self._fresh
 
     async def _answer(self, call: ProviderCall, resp: aiohttp.ClientResponse, sink: Sink) -> None:
-        await _raise_for_status(resp, self.provider.id)
+        await _raise_for_status(resp, self.provider.id, call.spec)
         headers = passed_headers(resp.headers.items())
         spec = call.spec
         if call.stream and spec.stream == "bytes":
@@ -129,6 +136,9 @@ class OpenAIHttpAdapter(Adapter):
 
     async def probe(self, timeout_s: float) -> ProbeResult:
         return await probe_http(self.session, self.root, self.headers, self.provider.type, timeout_s)
+
+    async def probe_while_busy(self, timeout_s: float) -> ProbeResult | None:
+        return await probe_http_busy(self.session, self.root, self.headers, self.provider.type, timeout_s)
 
     async def aclose(self) -> None:
         if self._fresh is not None:
@@ -156,16 +166,17 @@ def in_words(exc: aiohttp.ClientError) -> str:
     return str(exc) or exc.__class__.__name__
 
 
-async def _raise_for_status(resp: aiohttp.ClientResponse, provider_id: str) -> None:
+async def _raise_for_status(resp: aiohttp.ClientResponse, provider_id: str, spec: Endpoint) -> None:
+    """An error status is the provider's answer, relayed as such (status, headers, body in the
+    endpoint's error shape), streamed request or not: nothing has started yet. A redirect is
+    not followed, and not an answer either."""
     if resp.status < 300:
         return
-    body = await _read_capped(resp, _ERROR_BODY_BYTES, truncate=True)
-    if 400 <= resp.status < 500:
-        # aiohttp reports a missing Content-Type as octet-stream; an OpenAI error is JSON.
-        content_type = resp.content_type if "Content-Type" in resp.headers else JSON
-        raise ProviderRejected(resp.status, body, content_type, passed_headers(resp.headers.items()))
-    raise ProviderUnreachable(
-        f"provider {provider_id} answered {resp.status}: {body[:200].decode(errors='replace')}")
+    body, cut = await _read_error_body(resp)
+    if resp.status < 400:
+        raise ProviderUnreachable(provider_said(provider_id, resp.status, body, cut))
+    raise ProviderRejected(resp.status, provider_error_body(spec.errors, resp.status, body, provider_id, cut), JSON,
+                           passed_headers(resp.headers.items()), provider_id)
 
 
 async def _relay_stream(
@@ -224,17 +235,27 @@ async def _pass_on(payloads: list[bytes], sink: Sink) -> None:
         await sink.chunks(payloads)
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:
-    if resp.content_length is not None and resp.content_length > limit and not truncate:
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    if resp.content_length is not None and resp.content_length > limit:
         raise ProviderUnreachable(f"the provider's answer is larger than {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     async for data in resp.content.iter_any():
         size += len(data)
         if size > limit:
-            if truncate:
-                chunks.append(data[: limit - (size - len(data))])
-                break
             raise ProviderUnreachable(f"the provider's answer is larger than {limit} bytes")
         chunks.append(data)
     return b"".join(chunks)
+
+
+async def _read_error_body(resp: aiohttp.ClientResponse) -> tuple[bytes, bool]:
+    """The first ``_ERROR_BODY_BYTES`` of an error answer, and whether it had more."""
+    chunks: list[bytes] = []
+    size = 0
+    async for data in resp.content.iter_any():
+        chunks.append(data)
+        size += len(data)
+        if size > _ERROR_BODY_BYTES:
+            break
+    body = b"".join(chunks)
+    return body[:_ERROR_BODY_BYTES], size > _ERROR_BODY_BYTES

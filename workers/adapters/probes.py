@@ -10,10 +10,44 @@
 | openai_api | ``GET /v1/models`` answers 200 (with the provider's key) | ``/v1/models`` | -              | -          |
 | cli        | the executable resolves and runs (``argv[0] --version``) | the configured ``models`` | - | - |
 
+| type       | asked while busy                    |
+|------------|-------------------------------------|
+| vllm       | ``GET /health``                     |
+| sglang     | ``GET /health``                     |
+| lemonade   | ``GET /api/v1/health``              |
+| ollama     | ``GET /api/tags``                   |
+| llamacpp   | ``GET /health``, if the server has it |
+| openai_api | nothing                             |
+| cli        | the same check                      |
+
+**While busy** (the provider runs requests, iop's or another worker's of the node) the worker
+asks only what the second table says, and only every ``busy_probe_interval_ms``: its traffic
+is its health meanwhile (a failed call marks it unavailable, workers/worker.py). A probe must
+never be what disturbs a running request, and some servers are disturbed by one:
+llama-cpp-python's server takes its model lock for ``GET /v1/models`` as for a completion,
+and by default (``interrupt_requests``) a request waiting for that lock ends the running
+stream with ``[DONE]`` and no ``finish_reason``. So:
+
+* vllm: ``/health`` reads the engine's error flag; sglang: ``/health`` answers at once, or
+  runs a one-token request that the server skips while it runs others; lemonade:
+  ``/api/v1/health`` reports the server's own state (which model is loaded); ollama:
+  ``/api/tags`` lists the model files. None of them waits for a model, so they are asked
+  while busy too.
+* llamacpp: llama-server answers ``/health`` outside its slots. A server without one (404:
+  llama-cpp-python) has its model list answer for it, and nothing harmless to ask: while
+  busy it is not asked at all. Which path answers for health is remembered per server:
+  after a 404 the next probes ask ``/v1/models`` alone (the reason of a failure names both:
+  ``GET /health answered 404; GET /v1/models timed out after 2s``), and once that fails
+  the next probe starts from ``/health`` again.
+* openai_api: behind the type may be anything, llama-cpp-python included, and its only
+  check is the model list: nothing is asked while busy.
+* cli: ``--version`` runs in a process of its own, beside the running ones.
+
 The slots hint is llama-server's number of parallel slots (its ``--parallel``): the
 ``total_slots`` field of ``GET /props``, else the length of the list ``GET /slots`` answers.
 It is shown beside the configured capacity and never used for dispatch. It costs one
-request at most per probe, asked only once the provider is healthy and within the same
+request at most per probe, asked only once the provider is healthy, only of a server that
+answers ``/health`` (llama-cpp-python has neither source), and within the same
 timeout; when that request fails, times out or answers something else, the probe is still
 healthy, without a hint. Which source is asked is remembered per server: ``/props`` first; when it gives no
 ``total_slots`` the next probe asks ``/slots`` (which ``--no-slots`` turns off: 501), and
@@ -77,16 +111,24 @@ class HttpProbe:
     loaded_path: str | None = None
     # The reason given when the health endpoint answers 503 (llama-server: still loading).
     health_503: str | None = None
+    # A 404 of the health endpoint hands the check to the model list (llama-cpp-python has
+    # no /health); which one answers is remembered per server.
+    health_404_to_models: bool = False
     # Where the slots hint may come from, in order of preference (one is asked per probe).
     slots_from: tuple[tuple[str, Callable[[bytes], int | None]], ...] = ()
+    # The one path asked while the provider is busy: one that cannot disturb the requests it
+    # runs (the module docstring says why each); None: nothing is asked while busy.
+    busy_path: str | None = None
 
 
 HTTP_PROBES: dict[str, HttpProbe] = {
-    "vllm": HttpProbe("/v1/models", _openai_names, health_path="/health"),
-    "sglang": HttpProbe("/v1/models", _openai_names, health_path="/health"),
-    "lemonade": HttpProbe("/api/v1/models", _openai_names, health_path="/api/v1/health"),
-    "ollama": HttpProbe("/api/tags", _ollama_names, loaded_path="/api/ps"),
+    "vllm": HttpProbe("/v1/models", _openai_names, health_path="/health", busy_path="/health"),
+    "sglang": HttpProbe("/v1/models", _openai_names, health_path="/health", busy_path="/health"),
+    "lemonade": HttpProbe("/api/v1/models", _openai_names, health_path="/api/v1/health",
+                          busy_path="/api/v1/health"),
+    "ollama": HttpProbe("/api/tags", _ollama_names, loaded_path="/api/ps", busy_path="/api/tags"),
     "llamacpp": HttpProbe("/v1/models", _openai_names, health_path="/health", health_503="loading model",
+                          health_404_to_models=True, busy_path="/health",
                           slots_from=(("/props", _props_slots), ("/slots", _slots_length))),
     "openai_api": HttpProbe("/v1/models", _openai_names),
 }
@@ -94,6 +136,8 @@ HTTP_PROBES: dict[str, HttpProbe] = {
 # Per server root: the index in ``slots_from`` to ask next. A source that gives no hint
 # hands the next probe to the following one, so a probe never asks more than one of them.
 _slots_source: dict[str, int] = {}
+# Server roots whose health endpoint answered 404: their model list answers for it.
+_no_health: set[str] = set()
 _MAX_REMEMBERED = 1024
 
 
@@ -118,31 +162,82 @@ async def _get(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
 async def probe_http(
     session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float
 ) -> ProbeResult:
+    """The whole probe of an idle provider: health, models (and loaded models, slots hint)."""
     spec = HTTP_PROBES[provider_type]
-    path = spec.health_path or spec.models_path
+    health_path = None if spec.health_404_to_models and root in _no_health else spec.health_path
+    path = health_path or spec.models_path
+    # "GET /health answered 404" once the model list answers for a missing health endpoint.
+    fell_back = ""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         async with asyncio.timeout_at(deadline):
-            if spec.health_path:
-                await _get(session, root + spec.health_path, headers)
+            if health_path:
+                try:
+                    await _get(session, root + health_path, headers)
+                except _Failed as exc:
+                    if not (exc.status == 404 and spec.health_404_to_models):
+                        raise
+                    fell_back = f"GET {health_path} {exc}"
             path = spec.models_path
             models = spec.parse(await _get(session, root + spec.models_path, headers))
             loaded = None
             if spec.loaded_path:
                 path = spec.loaded_path
                 loaded = spec.parse(await _get(session, root + spec.loaded_path, headers))
-    except TimeoutError:
-        return ProbeResult(False, f"GET {path} timed out after {timeout_s:g}s")
-    except _Failed as exc:
-        if exc.status == 503 and path == spec.health_path and spec.health_503:
-            return ProbeResult(False, spec.health_503)
-        return ProbeResult(False, f"GET {path} {exc}")
-    except aiohttp.ClientError as exc:
-        return ProbeResult(False, f"GET {path} failed: {exc.__class__.__name__}: {exc}")
-    except (msgspec.DecodeError, TypeError, AttributeError):
-        return ProbeResult(False, f"GET {path} answered something that is not a model list")
-    slots = await _slots_hint(session, root, headers, spec, deadline) if spec.slots_from else None
+    except (TimeoutError, _Failed, aiohttp.ClientError, msgspec.DecodeError, TypeError, AttributeError) as exc:
+        # A server that stops answering its model list may have been replaced: the next
+        # probe asks for its health endpoint again.
+        _no_health.discard(root)
+        reason = _failure(exc, path, timeout_s, spec.health_503 if path == spec.health_path else None)
+        return ProbeResult(False, f"{fell_back}; {reason}" if fell_back else reason)
+    if fell_back:
+        _remember(_no_health, root)
+    answers_health = health_path is not None and not fell_back
+    slots = await _slots_hint(session, root, headers, spec, deadline) if spec.slots_from and answers_health else None
     return ProbeResult(True, "", models, loaded, slots)
+
+
+async def probe_http_busy(
+    session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float
+) -> ProbeResult | None:
+    """The probe of a busy provider: only its ``busy_path``, health alone (no models); None
+    when nothing can be asked without disturbing what it runs."""
+    spec = HTTP_PROBES[provider_type]
+    path = spec.busy_path
+    if path is None or (path == spec.health_path and spec.health_404_to_models and root in _no_health):
+        return None
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _get(session, root + path, headers)
+    except _Failed as exc:
+        if exc.status == 404 and path == spec.health_path and spec.health_404_to_models:
+            # Learnt while busy: this server has no health endpoint, and its model list may
+            # not be asked now. The next idle probe asks that.
+            _remember(_no_health, root)
+            return None
+        return ProbeResult(False, _failure(exc, path, timeout_s, spec.health_503 if path == spec.health_path else None))
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return ProbeResult(False, _failure(exc, path, timeout_s, None))
+    return ProbeResult(True, "")
+
+
+def _failure(exc: Exception, path: str, timeout_s: float, reason_503: str | None) -> str:
+    """Why a probe of ``path`` failed, as the catalog shows it."""
+    if isinstance(exc, TimeoutError):
+        return f"GET {path} timed out after {timeout_s:g}s"
+    if isinstance(exc, _Failed):
+        if exc.status == 503 and reason_503:
+            return reason_503
+        return f"GET {path} {exc}"
+    if isinstance(exc, aiohttp.ClientError):
+        return f"GET {path} failed: {exc.__class__.__name__}: {exc}"
+    return f"GET {path} answered something that is not a model list"
+
+
+def _remember(roots: set[str], root: str) -> None:
+    if root not in roots and len(roots) >= _MAX_REMEMBERED:
+        roots.clear()
+    roots.add(root)
 
 
 async def _slots_hint(

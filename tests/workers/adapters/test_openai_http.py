@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dispatcher.config import ProviderConfig, normalise_base_url, parse
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
-from iop.fake_provider import FakeOptions, start
+from iop.fake_provider import FakeError, FakeOptions, start
 from iop.redis_server import free_port
 from tests.workers.adapters.recording import RecordingSink
 from workers.adapters import openai_http
@@ -439,6 +439,7 @@ async def test_provider_4xx_is_rejected_with_its_status_and_body(
             "code": None,
         }
     }
+    assert err.retry_elsewhere == (status == 429)
     assert sink.events == []
 
 
@@ -453,12 +454,15 @@ async def test_provider_4xx_on_a_stream_request(fake: Fake, session: aiohttp.Cli
     assert sink.events == []
 
 
-async def test_provider_4xx_keeps_its_content_type(session: aiohttp.ClientSession) -> None:
-    response = raw_response(b"403 Forbidden", {"Content-Type": "text/plain; charset=utf-8"}, b"nope")
+async def test_provider_error_of_another_shape_is_wrapped(session: aiohttp.ClientSession) -> None:
+    response = raw_response(b"403 Forbidden", {"Content-Type": "text/plain; charset=utf-8"}, b"nope\n")
     async with RawServer(response) as server:
         with pytest.raises(ProviderRejected) as info:
             await OpenAIHttpAdapter(provider(server.url), session).call(chat(), RecordingSink())
-    assert (info.value.status, info.value.raw_body, info.value.content_type) == (403, b"nope", "text/plain")
+    assert (info.value.status, info.value.content_type) == (403, "application/json")
+    assert json.loads(info.value.raw_body) == {"error": {
+        "message": "provider p answered 403: nope", "type": "invalid_request_error", "param": None,
+        "code": "upstream_error"}}
 
 
 async def test_provider_4xx_without_content_type_defaults_to_json(session: aiohttp.ClientSession) -> None:
@@ -467,37 +471,86 @@ async def test_provider_4xx_without_content_type_defaults_to_json(session: aioht
         with pytest.raises(ProviderRejected) as info:
             await OpenAIHttpAdapter(provider(server.url), session).call(chat(), RecordingSink())
     assert info.value.content_type == "application/json"
+    assert info.value.raw_body == b'{"error":{"message":"bad"}}'
 
 
-async def test_large_4xx_body_is_truncated(session: aiohttp.ClientSession) -> None:
-    big = b"x" * (openai_http._ERROR_BODY_BYTES * 3)
+async def test_error_body_over_the_cap_is_wrapped_not_cut(session: aiohttp.ClientSession) -> None:
+    # In shape, but longer than iop reads: cut, it would no longer be JSON.
+    big = b'{"error":{"message":"' + b"x" * (openai_http._ERROR_BODY_BYTES * 3) + b'"}}'
 
     async def handler(request: web.Request) -> web.Response:
-        return web.Response(status=400, body=big, content_type="application/json")
+        return web.Response(status=500, body=big, content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
     runner, url = await app_server(app)
     try:
-        with pytest.raises(ProviderRejected) as info:
-            await OpenAIHttpAdapter(provider(url), session).call(chat(), RecordingSink())
+        for stream in (False, True):
+            with pytest.raises(ProviderRejected) as info:
+                await OpenAIHttpAdapter(provider(url), session).call(chat(stream=stream), RecordingSink())
+            assert info.value.status == 500
+            error = json.loads(info.value.raw_body)["error"]
+            assert error["code"] == "upstream_error"
+            assert error["message"].startswith('provider p answered 500: {"error":{"message":"xxx')
+            assert error["message"].endswith("x…")
+            assert len(error["message"]) < 1100
     finally:
         await runner.cleanup()
-    assert info.value.status == 400
-    assert info.value.raw_body == big[: openai_http._ERROR_BODY_BYTES]
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504])
-async def test_provider_5xx_is_unreachable(fake: Fake, session: aiohttp.ClientSession, status: int) -> None:
+@pytest.mark.parametrize("status", [500, 501, 502, 503, 504, 529])
+async def test_provider_5xx_is_the_providers_answer(fake: Fake, session: aiohttp.ClientSession, status: int) -> None:
     fake.options.fail_status = status
     for stream in (False, True):
         sink = RecordingSink()
-        with pytest.raises(ProviderUnreachable) as info:
+        with pytest.raises(ProviderRejected) as info:
             await OpenAIHttpAdapter(provider(fake.url), session).call(chat(stream=stream), sink)
-        assert not isinstance(info.value, (ProviderRejected, ProviderTimeout))
-        assert str(status) in str(info.value)
-        assert "fake provider failure" in str(info.value)  # the start of the provider's body
+        err = info.value
+        assert err.status == status
+        # In OpenAI's shape already: the fake's body, whole.
+        assert json.loads(err.raw_body) == {"error": {
+            "message": f"fake provider failure (status {status})", "type": "server_error", "param": None,
+            "code": None}}
+        assert err.headers["x-request-id"]
+        assert "keep-alive" not in err.headers
+        # 502 counts as unreachable; 501 and 504 another provider would answer alike.
+        assert err.retry_elsewhere == (status in (500, 502, 503, 529))
         assert sink.events == []
+
+
+async def test_a_long_error_body_is_kept_whole(fake: Fake, session: aiohttp.ClientSession) -> None:
+    raw = json.dumps({"error": {"message": "no: " + "reason " * 1000, "type": "server_error"}})
+    fake.options.fail_with = FakeError(status=503, body=raw, headers={"retry-after": "4"})
+    with pytest.raises(ProviderRejected) as info:
+        await OpenAIHttpAdapter(provider(fake.url), session).call(chat(), RecordingSink())
+    assert info.value.raw_body == raw.encode()
+    assert info.value.headers["retry-after"] == "4"
+
+
+ANTHROPIC_OVERLOADED = b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"},"request_id":"r1"}'
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    # Anthropic's own: passed as it is.
+    (FakeError(status=529, body=ANTHROPIC_OVERLOADED.decode()), ANTHROPIC_OVERLOADED),
+    # OpenAI's shape is not what an Anthropic client reads.
+    (FakeError(status=529, body='{"error":{"message":"busy","type":"server_error"}}'),
+     b'{"type":"error","error":{"type":"overloaded_error","message":'
+     b'"provider p answered 529: {\\"error\\":{\\"message\\":\\"busy\\",\\"type\\":\\"server_error\\"}}"}}'),
+    (FakeError(status=404, body='{"detail":"Not Found"}'),
+     b'{"type":"error","error":{"type":"not_found_error",'
+     b'"message":"provider p answered 404: {\\"detail\\":\\"Not Found\\"}"}}'),
+])
+async def test_anthropic_endpoints_answer_anthropics_shape(
+    fake: Fake, session: aiohttp.ClientSession, answer: FakeError, expected: bytes
+) -> None:
+    fake.options.fail_with = answer
+    for endpoint in ("messages", "messages/count_tokens"):
+        call = ProviderCall(endpoint=endpoint, body=body(), target=MODEL, stream=False)
+        with pytest.raises(ProviderRejected) as info:
+            await OpenAIHttpAdapter(provider(fake.url), session).call(call, RecordingSink())
+        assert (info.value.status, info.value.raw_body) == (answer.status, expected)
+        assert info.value.headers["request-id"].startswith("req_fake")
 
 
 async def test_timeout_before_the_answer(fake: Fake, session: aiohttp.ClientSession) -> None:

@@ -65,6 +65,15 @@ MODELS_PATH = {
     "llamacpp": "/v1/models",
     "openai_api": "/v1/models",
 }
+# What a busy provider is asked (None: nothing), per the module docstring's second table.
+BUSY_PATHS: dict[str, str | None] = {
+    "vllm": "/health",
+    "sglang": "/health",
+    "lemonade": "/api/v1/health",
+    "ollama": "/api/tags",
+    "llamacpp": "/health",
+    "openai_api": None,
+}
 # The endpoints whose failure makes the probe fail (the slots hint never does).
 REQUIRED_PATHS = {t: [p for p in paths if p not in ("/props", "/slots")] for t, paths in EXPECTED_PATHS.items()}
 # The slots hint the Runtime below reports (llama-server's /props total_slots).
@@ -91,11 +100,14 @@ def http_provider(provider_type: str, base_url: str, api_key_env: str | None = N
 
 @pytest.fixture(autouse=True)
 def _fresh_slot_sources() -> Iterator[None]:
-    """Which slots source each server root gets next is remembered across probes; a test
-    starts with none remembered (ports are reused between tests)."""
+    """Which slots source each server root gets next, and which roots have no health
+    endpoint, are remembered across probes; a test starts with none remembered (ports are
+    reused between tests)."""
     probes._slots_source.clear()
+    probes._no_health.clear()
     yield
     probes._slots_source.clear()
+    probes._no_health.clear()
 
 
 @pytest.fixture
@@ -295,6 +307,13 @@ async def probe(provider_type: str, url: str, session: aiohttp.ClientSession, ti
         return await adapter.probe(timeout_s)
 
 
+async def busy_probe(provider_type: str, url: str, session: aiohttp.ClientSession,
+                     timeout_s: float = 5.0) -> ProbeResult | None:
+    adapter = OpenAIHttpAdapter(http_provider(provider_type, url), session)
+    with anyio.fail_after(EVENTUALLY_S + timeout_s):
+        return await adapter.probe_while_busy(timeout_s)
+
+
 # --------------------------------------------------------------------------- the module, the table
 
 
@@ -343,6 +362,30 @@ def test_docstring_table_matches_http_probes() -> None:
             assert f'503: "{spec.health_503}"' in health, provider_type
     # cli: no HTTP endpoints at all.
     assert all(not _paths(cell) for cell in rows["cli"])
+
+
+def _busy_rows() -> dict[str, str]:
+    doc = probes.__doc__
+    assert doc
+    rows: dict[str, str] = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and not set(cells[0]) <= set("-") and cells[0] != "type":
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_docstring_busy_table_matches_http_probes() -> None:
+    rows = _busy_rows()
+    assert set(rows) == set(HTTP_PROBES) | {"cli"}
+    for provider_type, spec in HTTP_PROBES.items():
+        assert _paths(rows[provider_type]) == ([spec.busy_path] if spec.busy_path else []), provider_type
+        assert BUSY_PATHS[provider_type] == spec.busy_path
+        if spec.busy_path is None:
+            assert rows[provider_type] == "nothing"
+    # The model list is never asked while busy: it is what llama-cpp-python locks its model for.
+    assert all(spec.busy_path != spec.models_path for t, spec in HTTP_PROBES.items() if t != "ollama")
+    assert rows["cli"] == "the same check"
 
 
 def test_expected_paths_match_http_probes() -> None:
@@ -839,6 +882,161 @@ async def test_llamacpp_uses_the_openai_http_adapter(fake: Fake, session: aiohtt
     assert isinstance(adapter, OpenAIHttpAdapter)
     # The project's fake has neither /props nor /slots: healthy, no hint.
     assert await adapter.probe(5.0) == ProbeResult(True, "", list(MODELS), None, None)
+
+
+# --------------------------------------------------------------------------- llama-cpp-python (no /health)
+
+
+def no_health(runtime: Runtime) -> None:
+    """What llama-cpp-python's server (FastAPI) answers for a path it does not have."""
+    runtime.overrides["/health"] = status(404, {"detail": "Not Found"})
+
+
+async def test_llamacpp_without_health_is_judged_by_its_model_list(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    no_health(runtime)
+    runtime.overrides["/props"] = status(404, {"detail": "Not Found"})
+    result = await probe("llamacpp", runtime.url, session)
+    # Healthy, and no slots hint: a server without /health is no llama-server.
+    assert result == ProbeResult(True, "", MODELS, None, None)
+    assert runtime.paths == ["/health", "/v1/models"]
+    for _ in range(2):  # remembered: the model list alone from now on
+        runtime.seen.clear()
+        assert await probe("llamacpp", runtime.url, session) == ProbeResult(True, "", MODELS, None, None)
+        assert runtime.paths == ["/v1/models"]
+
+
+@pytest.mark.parametrize(("failure", "reason"), [
+    ("500", "GET /v1/models answered 500"),
+    ("hold", "GET /v1/models timed out after 0.5s"),
+    ("garbage", "GET /v1/models answered something that is not a model list"),
+])
+async def test_llamacpp_without_health_names_both_probes_in_its_reason(
+    failure: str, reason: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    no_health(runtime)
+    runtime.overrides["/v1/models"] = {"500": status(500), "hold": runtime.hold, "garbage": json_answer([1])}[failure]
+    for _ in range(2):  # nothing is remembered from a probe that failed: /health is asked again
+        runtime.seen.clear()
+        result = await probe("llamacpp", runtime.url, session, timeout_s=0.5)
+        assert result == ProbeResult(False, f"GET /health answered 404; {reason}")
+        assert runtime.paths == ["/health", "/v1/models"]
+
+
+async def test_llamacpp_remembered_model_list_failing_sends_the_next_probe_to_health(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    no_health(runtime)
+    assert (await probe("llamacpp", runtime.url, session)).healthy
+    runtime.overrides["/v1/models"] = status(503)
+    runtime.seen.clear()
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(False, "GET /v1/models answered 503")
+    assert runtime.paths == ["/v1/models"]
+    # Restarted as llama-server: found at the next probe, slots hint and all.
+    runtime.overrides.clear()
+    runtime.seen.clear()
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(True, "", MODELS, None, RUNTIME_SLOTS)
+    assert runtime.paths == ["/health", "/v1/models", "/props"]
+
+
+async def test_llamacpp_health_source_is_remembered_per_server(
+    runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    no_health(runtime)
+    assert (await probe("llamacpp", runtime.url, session)).healthy
+    other = Runtime()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", other.handle)
+    async with serve(app) as url:
+        for _ in range(2):
+            assert (await probe("llamacpp", url, session)).slots == RUNTIME_SLOTS
+        assert other.paths == ["/health", "/v1/models", "/props"] * 2
+    runtime.seen.clear()
+    assert (await probe("llamacpp", runtime.url, session)).healthy
+    assert runtime.paths == ["/v1/models"]
+
+
+@pytest.mark.parametrize("provider_type", ["vllm", "sglang", "lemonade"])
+async def test_404_on_health_fails_the_other_runtimes(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    runtime.overrides[first_path(provider_type)] = status(404)
+    for _ in range(2):
+        runtime.seen.clear()
+        result = await probe(provider_type, runtime.url, session)
+        assert result == ProbeResult(False, f"GET {first_path(provider_type)} answered 404")
+        assert runtime.paths == [first_path(provider_type)]
+
+
+# --------------------------------------------------------------------------- while busy
+
+
+@pytest.mark.parametrize("provider_type", TYPES)
+async def test_busy_probe_asks_only_the_harmless_path(
+    provider_type: str, runtime: Runtime, session: aiohttp.ClientSession
+) -> None:
+    path = BUSY_PATHS[provider_type]
+    for _ in range(2):
+        runtime.seen.clear()
+        result = await busy_probe(provider_type, runtime.url, session)
+        if path is None:
+            assert result is None
+            assert runtime.seen == []  # not one request
+        else:
+            # Health alone: what the whole probe found (models, slots) is not asked.
+            assert result == ProbeResult(True, "")
+            assert runtime.paths == [path]
+
+
+@pytest.mark.parametrize("provider_type", [t for t in TYPES if BUSY_PATHS[t]])
+async def test_busy_probe_failures(provider_type: str, runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    path = BUSY_PATHS[provider_type]
+    runtime.overrides[str(path)] = status(500)
+    assert await busy_probe(provider_type, runtime.url, session) == ProbeResult(False, f"GET {path} answered 500")
+    runtime.overrides[str(path)] = runtime.hold
+    result = await busy_probe(provider_type, runtime.url, session, timeout_s=0.5)
+    assert result == ProbeResult(False, f"GET {path} timed out after 0.5s")
+    result = await busy_probe(provider_type, f"http://{HOST}:{free_port()}", session)
+    assert result is not None
+    assert result.reason.startswith(f"GET {path} failed: ")
+    assert not result.healthy
+
+
+async def test_busy_llamacpp_loading_model(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    runtime.overrides["/health"] = status(503, {"error": {"code": 503, "message": "Loading model",
+                                                          "type": "unavailable_error"}})
+    assert await busy_probe("llamacpp", runtime.url, session) == ProbeResult(False, "loading model")
+
+
+async def test_busy_llamacpp_without_health_is_not_asked(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    no_health(runtime)
+    assert (await probe("llamacpp", runtime.url, session)).healthy
+    runtime.seen.clear()
+    assert await busy_probe("llamacpp", runtime.url, session) is None
+    assert runtime.seen == []
+
+
+async def test_busy_llamacpp_learns_there_is_no_health(runtime: Runtime, session: aiohttp.ClientSession) -> None:
+    # Never probed idle (a worker started while another one's jobs run there).
+    no_health(runtime)
+    assert await busy_probe("llamacpp", runtime.url, session) is None
+    assert runtime.paths == ["/health"]  # and never the model list
+    runtime.seen.clear()
+    assert await busy_probe("llamacpp", runtime.url, session) is None
+    assert runtime.seen == []
+    # Idle: the model list answers at once.
+    assert await probe("llamacpp", runtime.url, session) == ProbeResult(True, "", MODELS, None, None)
+    assert runtime.paths == ["/v1/models"]
+
+
+async def test_busy_probe_of_a_cli_is_its_probe(tmp_path: Path) -> None:
+    out = tmp_path / "args"
+    tool = executable(tmp_path / "tool", f'#!/bin/sh\nprintf "%s\\n" "$@" >> "{out}"\n')
+    adapter = CliAdapter(cli_provider([str(tool)]))
+    assert await adapter.probe_while_busy(5.0) == ProbeResult(True, "")
+    assert out.read_text() == "--version\n"
+    assert await CliAdapter(cli_provider(None)).probe_while_busy(5.0) == ProbeResult(False, "no command configured")
 
 
 # --------------------------------------------------------------------------- cli
