@@ -1,0 +1,671 @@
+"""A simulated LLM inference server with a prefix cache and continuous batching, for
+benchmarks of cache-aware dispatch (bench/prefix_fleet.py); one process per server:
+
+    python -m bench.fleet_sim --port P --kv-blocks N [--max-batch 8] [--step-ms 20] ...
+
+It serves what a gateway or a router asks of a vLLM or SGLang server, without a model:
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON, or SSE with ``stream:
+true`` ending in ``data: [DONE]``, the usage chunk when ``stream_options.include_usage``;
+``usage`` carries ``prompt_tokens``, ``completion_tokens`` and
+``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``GET /health``, and what
+sglang-router reads from an SGLang server: ``GET /get_server_info`` (alias
+``/server_info``), ``/get_model_info`` (alias ``/model_info``), ``/health_generate``,
+``/get_load``. ``GET /sim/stats`` reports the server's counters (and every path it was
+asked, to see what a router probes); ``POST /sim/reset`` empties the cache and zeroes the
+counters between benchmark runs (409 while requests run).
+
+What is modelled
+================
+
+* **Tokens.** One token per whitespace-separated word of the prompt text, so prompts that
+  share text share tokens. A chat prompt is, per message, a ``<|role|>`` token then its
+  content's words (text parts of a content list joined), and an ``<|assistant|>`` token
+  at the end -- the shape a chat template gives. The answer is ``max_tokens`` tokens
+  (``max_tokens`` or ``max_completion_tokens`` of the body, else ``--max-tokens``), always
+  that many (as with ``ignore_eos``; ``finish_reason`` is ``length``).
+* **KV memory and the prefix cache.** ``--kv-blocks`` blocks of ``--block-tokens`` tokens
+  (16). Every full block of a prompt has a chained hash (block i's hash covers blocks
+  0..i); a request's cached prefix is the longest run of its leading blocks present in the
+  cache. Admission reserves a block for each token it will hold that is not cached (the
+  uncached prompt, the last partial prompt block, the whole answer); when a chunk of
+  prefill reaches the end of a full prompt block, that block enters the cache (a block
+  that another request entered meanwhile is shared, its reservation given back). Cached
+  blocks used by running requests are pinned; the others form an LRU, evicted to make room
+  for an admission. A finishing request returns its blocks to the LRU deepest first, so
+  that a prefix is evicted from its end, as a radix tree evicts leaves first.
+* **Continuous batching.** A step loop: each step admits waiting requests (FIFO; the head
+  waits while the batch is full, at ``--max-batch`` running requests, or while the memory
+  it needs is pinned, and those behind it wait too), then runs one step that takes
+  ``step_ms + prefill_ms_per_token x prefill tokens + decode_ms_per_seq x decoding
+  requests``. Prefill is chunked: at most ``--prefill-budget`` uncached prompt tokens per
+  step, given to the running requests in admission order; the step that ends a request's
+  prefill gives it its first output token (its time to first token), and each later step
+  gives it one more until ``max_tokens``. Requests whose client goes away leave at once.
+* **Time** is real: the loop sleeps for each step's simulated duration, so the gateway or
+  router in front is measured for real. A step that ends late (the machine was busy) is
+  made up by starting the next one at the planned time, unless the loop fell more than
+  ``--catch-up-ms`` (50) behind, when the schedule restarts from now.
+
+Defaults (the benchmark's figures): 20 ms per step plus 0.5 ms per decoding request, 0.1
+ms per prefilled token (a 1,800-token prompt: 180 ms; its 300 uncached tokens after a
+prefix hit: 30 ms), 2,048 prefill tokens per step, 8 running requests at most. Absolute
+figures are therefore simulated, not those of any GPU; the ratios between prefill and
+decode are in the range of a mid-sized model on one accelerator.
+
+Left out
+========
+
+Memory-pressure preemption and recomputation (admission waits for memory instead, so a
+running request never loses its blocks); swapping or offloading KV to host memory or disk
+(hierarchical caches); caching of generated tokens (only prompt blocks enter the cache, so
+a multi-turn conversation's previous answer is not a hit); speculative decoding; the
+real cost curve of attention (a decode step's cost grows linearly with the batch, not
+with the context length); a maximum context length other than the KV size (a request that
+could never fit is answered 400); sampling, stop sequences and EOS (every answer is
+``max_tokens`` long); priorities and scheduling policies other than FIFO (SGLang's
+longest-prefix-first ordering of its waiting queue, for instance); data parallelism
+inside one server (``dp_size`` is 1); tokenization and detokenization cost; network time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import math
+import signal
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+import msgspec
+from aiohttp import web
+
+_JSON: Final = "application/json"
+_DONE: Final = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    kv_blocks: int = 800
+    block_tokens: int = 16
+    max_batch: int = 8
+    prefill_budget: int = 2048
+    step_ms: float = 20.0
+    prefill_ms_per_token: float = 0.1
+    decode_ms_per_seq: float = 0.5
+    max_tokens: int = 64  # the answer's length when the body names none
+    model: str = "sim"
+    catch_up_ms: float = 50.0
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def content_text(content: Any) -> str:
+    """A message's text: a string, or the ``text`` of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def chat_tokens(messages: Sequence[Any]) -> list[str]:
+    tokens: list[str] = []
+    for message in messages:
+        role = message.get("role", "user") if isinstance(message, dict) else "user"
+        tokens.append(f"<|{role}|>")
+        tokens.extend(content_text(message.get("content") if isinstance(message, dict) else None).split())
+    tokens.append("<|assistant|>")
+    return tokens
+
+
+def block_hashes(tokens: Sequence[str], block_tokens: int) -> list[bytes]:
+    """The chained hash of every full block: block i's covers the tokens of blocks 0..i."""
+    hashes: list[bytes] = []
+    previous = b""
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        h = hashlib.blake2b(previous, digest_size=16)  # previous is 0 or 16 bytes: no ambiguity
+        h.update("\x1f".join(tokens[start:start + block_tokens]).encode())
+        previous = h.digest()
+        hashes.append(previous)
+    return hashes
+
+
+# --------------------------------------------------------------------------- KV memory
+
+
+class KVCache:
+    """``capacity`` blocks: cached prompt blocks (pinned by running requests, or in an LRU)
+    and blocks reserved by running requests for what is not cached yet."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lru: OrderedDict[bytes, None] = OrderedDict()  # cached, unpinned; first = least recently used
+        self.refs: dict[bytes, int] = {}  # cached and pinned: how many running requests use it
+        self.reserved = 0
+        self.evictions = 0
+
+    @property
+    def used(self) -> int:
+        return len(self.lru) + len(self.refs) + self.reserved
+
+    def cached(self, h: bytes) -> bool:
+        return h in self.refs or h in self.lru
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` are cached."""
+        n = 0
+        for h in hashes:
+            if not self.cached(h):
+                break
+            n += 1
+        return n
+
+    def try_admit(self, hashes: Sequence[bytes], total_blocks: int) -> int | None:
+        """Pin the cached prefix of ``hashes`` and reserve the other ``total_blocks`` blocks,
+        evicting unpinned blocks as needed; the number of cached blocks, or None (and
+        nothing changed) when the memory is not there."""
+        matched = self.match(hashes)
+        need = total_blocks - matched
+        # Blocks of the prefix about to be pinned cannot be evicted to make room for it.
+        evictable = len(self.lru) - sum(1 for h in hashes[:matched] if h in self.lru)
+        if need > self.capacity - self.used + evictable:
+            return None
+        for h in hashes[:matched]:
+            self._pin(h)
+        while self.capacity - self.used < need:
+            self.lru.popitem(last=False)
+            self.evictions += 1
+        self.reserved += need
+        return matched
+
+    def register(self, h: bytes) -> None:
+        """One reserved block now holds the computed prompt block ``h``, pinned by its
+        request; a copy another request entered meanwhile is shared instead."""
+        self.reserved -= 1
+        self._pin(h)
+
+    def _pin(self, h: bytes) -> None:
+        if h in self.refs:
+            self.refs[h] += 1
+        else:
+            self.lru.pop(h, None)
+            self.refs[h] = 1
+
+    def release(self, pinned: Sequence[bytes], reserved: int) -> None:
+        """A request leaves: its reservations end, its pinned blocks go back to the LRU once
+        nobody uses them -- deepest first, so that a prefix's root is evicted last."""
+        self.reserved -= reserved
+        for h in reversed(pinned):
+            n = self.refs[h] - 1
+            if n:
+                self.refs[h] = n
+            else:
+                del self.refs[h]
+                self.lru[h] = None
+
+    def clear(self) -> None:
+        assert not self.refs, "clear() with requests running"
+        assert not self.reserved, "clear() with requests running"
+        self.lru.clear()
+        self.evictions = 0
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+class TooLong(ValueError):
+    pass
+
+
+class SimRequest:
+    __slots__ = ("arrival", "cached_tokens", "done", "event", "first_token_at", "generated", "hashes",
+                 "max_tokens", "pinned", "prefilled", "prompt_tokens", "registered", "reserved", "total_blocks")
+
+    def __init__(self, prompt_tokens: int, hashes: list[bytes], max_tokens: int, total_blocks: int,
+                 arrival: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.hashes = hashes
+        self.max_tokens = max_tokens
+        self.total_blocks = total_blocks
+        self.arrival = arrival
+        self.cached_tokens = 0
+        self.prefilled = 0  # prompt tokens whose KV exists (cached or computed)
+        self.registered = 0  # leading full prompt blocks pinned (cached at admission or computed)
+        self.generated = 0
+        self.reserved = 0
+        self.pinned: list[bytes] = []
+        self.first_token_at: float | None = None
+        self.done = False
+        self.event = asyncio.Event()  # set whenever generated or done changes
+
+
+@dataclass
+class Stats:
+    requests: int = 0  # completed
+    cancelled: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    max_waiting: int = 0
+    late_steps: int = 0  # steps that ended more than catch_up_ms late (the machine was busy)
+
+
+class Scheduler:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.kv = KVCache(config.kv_blocks)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.stats = Stats()
+        self._wake = asyncio.Event()
+
+    def submit(self, tokens: Sequence[str], max_tokens: int) -> SimRequest:
+        bt = self.config.block_tokens
+        total_blocks = math.ceil((len(tokens) + max_tokens) / bt)
+        if total_blocks > self.config.kv_blocks:
+            self.stats.rejected += 1
+            raise TooLong(f"{len(tokens)} prompt + {max_tokens} output tokens need {total_blocks} KV blocks; "
+                          f"the server has {self.config.kv_blocks}")
+        request = SimRequest(len(tokens), block_hashes(tokens, bt), max_tokens, total_blocks, time.monotonic())
+        self.waiting.append(request)
+        self.stats.max_waiting = max(self.stats.max_waiting, len(self.waiting))
+        self._wake.set()
+        return request
+
+    def cancel(self, request: SimRequest) -> None:
+        """The client went away: the request leaves the queue or the batch now."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+            request.done = True
+        else:
+            self._finish(request)
+        self.stats.cancelled += 1
+
+    def admit(self) -> None:
+        bt = self.config.block_tokens
+        while self.waiting and len(self.running) < self.config.max_batch:
+            request = self.waiting[0]
+            matched = self.kv.try_admit(request.hashes, request.total_blocks)
+            if matched is None:
+                return  # FIFO: the head waits for memory, and everything behind it
+            self.waiting.popleft()
+            request.pinned = list(request.hashes[:matched])
+            request.registered = matched
+            request.reserved = request.total_blocks - matched
+            # A prompt cached to its last token still computes that token (its logits give the first output).
+            request.cached_tokens = min(matched * bt, request.prompt_tokens - 1) if request.prompt_tokens else 0
+            request.prefilled = request.cached_tokens
+            self.running.append(request)
+
+    def plan(self) -> tuple[list[tuple[SimRequest, int]], list[SimRequest], float]:
+        """This step's prefill chunks, its decoding requests and its duration in seconds."""
+        budget = self.config.prefill_budget
+        chunks: list[tuple[SimRequest, int]] = []
+        decoding: list[SimRequest] = []
+        for request in self.running:
+            left = request.prompt_tokens - request.prefilled
+            if left <= 0:
+                decoding.append(request)
+            elif budget > 0:
+                n = min(left, budget)
+                chunks.append((request, n))
+                budget -= n
+        prefill = sum(n for _, n in chunks)
+        c = self.config
+        ms = c.step_ms + c.prefill_ms_per_token * prefill + c.decode_ms_per_seq * len(decoding)
+        return chunks, decoding, ms / 1000
+
+    def apply(self, chunks: list[tuple[SimRequest, int]], decoding: list[SimRequest], now: float) -> None:
+        bt = self.config.block_tokens
+        touched: list[SimRequest] = []
+        for request, n in chunks:
+            if request.done:  # cancelled during the step
+                continue
+            request.prefilled += n
+            self.stats.prefill_tokens += n
+            full = min(request.prefilled // bt, len(request.hashes))
+            while request.registered < full:
+                h = request.hashes[request.registered]
+                self.kv.register(h)
+                request.pinned.append(h)
+                request.reserved -= 1
+                request.registered += 1
+            if request.prefilled >= request.prompt_tokens:
+                request.generated = 1
+                request.first_token_at = now
+                touched.append(request)
+        for request in decoding:
+            if not request.done:
+                request.generated += 1
+                touched.append(request)
+        for request in touched:
+            if request.generated >= request.max_tokens:
+                self._finish(request)
+                s = self.stats
+                s.requests += 1
+                s.prompt_tokens += request.prompt_tokens
+                s.cached_tokens += request.cached_tokens
+                s.output_tokens += request.generated
+            request.event.set()
+
+    def _finish(self, request: SimRequest) -> None:
+        request.done = True
+        self.kv.release(request.pinned, request.reserved)
+        request.reserved = 0
+        request.pinned = []
+        self.running.remove(request)
+        request.event.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        catch_up = self.config.catch_up_ms / 1000
+        next_start: float | None = None
+        while True:
+            self.admit()
+            if not self.running:
+                next_start = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            chunks, decoding, duration = self.plan()
+            now = loop.time()
+            if next_start is None or now - next_start > catch_up:
+                if next_start is not None:
+                    self.stats.late_steps += 1
+                next_start = now
+            end = next_start + duration
+            await asyncio.sleep(max(0.0, end - now))
+            next_start = end
+            self.stats.steps += 1
+            self.stats.busy_s += duration
+            self.apply(chunks, decoding, time.monotonic())
+
+    def reset(self) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError("requests are running")
+        self.kv.clear()
+        self.stats = Stats()
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type=_JSON)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(data), content_type=_JSON)
+
+
+def _usage(request: SimRequest) -> dict[str, Any]:
+    return {"prompt_tokens": request.prompt_tokens, "completion_tokens": request.generated,
+            "total_tokens": request.prompt_tokens + request.generated,
+            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+
+
+class SimServer:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.paths: Counter[str] = Counter()  # every path asked, to see what a router probes
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._count_paths], client_max_size=64 * 2**20)
+        add = app.router.add_route
+        add("POST", "/v1/chat/completions", self._chat)
+        add("POST", "/v1/completions", self._completions)
+        add("GET", "/v1/models", self._models)
+        for path in ("/health", "/health_generate"):
+            add("GET", path, self._health)
+        for path in ("/get_model_info", "/model_info"):
+            add("GET", path, self._model_info)
+        for path in ("/get_server_info", "/server_info"):
+            add("GET", path, self._server_info)
+        add("GET", "/get_load", self._load)
+        add("GET", "/sim/stats", self._stats)
+        add("POST", "/sim/reset", self._reset)
+        app.on_startup.append(self._start_loop)
+        app.on_cleanup.append(self._stop_loop)
+        return app
+
+    @web.middleware
+    async def _count_paths(self, request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        self.paths[f"{request.method} {request.path}"] += 1
+        return await handler(request)
+
+    async def _start_loop(self, app: web.Application) -> None:
+        self._task = asyncio.create_task(self.scheduler.run())
+
+    async def _stop_loop(self, app: web.Application) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # ----- generation
+
+    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            return _error(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object")
+        return body
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error(400, "'messages' must be a non-empty list")
+        return await self._generate(request, body, chat_tokens(messages), chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            prompt = " ".join(prompt)
+        if not isinstance(prompt, str):
+            return _error(400, "'prompt' must be a string or a list of strings")
+        return await self._generate(request, body, prompt.split(), chat=False)
+
+    async def _generate(self, http: web.Request, body: dict[str, Any], tokens: list[str],
+                        chat: bool) -> web.StreamResponse:
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.config.max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return _error(400, "'max_tokens' must be a positive integer")
+        try:
+            request = self.scheduler.submit(tokens, max_tokens)
+        except TooLong as exc:
+            return _error(400, str(exc))
+        model = body["model"] if isinstance(body.get("model"), str) else self.config.model
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-sim{next(self._ids)}"
+        try:
+            if body.get("stream"):
+                options = body.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return await self._stream(http, request, rid, model, chat, usage)
+            while not request.done:
+                request.event.clear()
+                await request.event.wait()
+            text = "".join(f"tok{i} " for i in range(request.generated))
+            choice: dict[str, Any] = (
+                {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
+            choice |= {"logprobs": None, "finish_reason": "length"}
+            return _json({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                          "created": int(time.time()), "model": model, "choices": [choice],
+                          "usage": _usage(request)})
+        finally:
+            self.scheduler.cancel(request)  # a no-op once it is done
+
+    async def _stream(self, http: web.Request, request: SimRequest, rid: str, model: str, chat: bool,
+                      usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+        if chat:  # as vLLM and SGLang do: the role first, before any token
+            await response.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
+        sent = 0
+        while True:
+            if request.generated > sent:
+                out = []
+                for i in range(sent, request.generated):
+                    text = f"tok{i} "
+                    out.append(chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                                     if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}))
+                sent = request.generated
+                await response.write(b"".join(out))
+            if request.done:
+                break
+            request.event.clear()
+            await request.event.wait()
+        end = [chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"} if chat
+                     else {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"})]
+        if usage:
+            data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                    "usage": _usage(request)}
+            end.append(b"data: " + msgspec.json.encode(data) + b"\n\n")
+        end.append(_DONE)
+        await response.write(b"".join(end))
+        await response.write_eof()
+        return response
+
+    # ----- probes and what routers read
+
+    async def _models(self, request: web.Request) -> web.Response:
+        c = self.config
+        return _json({"object": "list", "data": [{"id": c.model, "object": "model", "created": 0, "owned_by": "sim",
+                                                  "max_model_len": c.kv_blocks * c.block_tokens}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        # sglang's /get_model_info.
+        return _json({"model_path": self.config.model, "tokenizer_path": self.config.model, "is_generation": True})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        # sglang's /get_server_info: its server args, scheduler info, internal states, version.
+        c = self.config
+        max_total_tokens = c.kv_blocks * c.block_tokens
+        return _json({
+            "model_path": c.model, "tokenizer_path": c.model, "served_model_name": c.model, "dp_size": 1,
+            "tp_size": 1, "page_size": c.block_tokens, "chunked_prefill_size": c.prefill_budget,
+            "max_prefill_tokens": c.prefill_budget, "max_running_requests": c.max_batch,
+            "max_total_num_tokens": max_total_tokens, "max_total_tokens": max_total_tokens,
+            "disable_radix_cache": False, "enable_cache_report": True,
+            "internal_states": [{"max_total_num_tokens": max_total_tokens, "max_running_requests": c.max_batch}],
+            "version": "fleet-sim", "sim": asdict(c),
+        })
+
+    async def _load(self, request: web.Request) -> web.Response:
+        # sglang's /get_load: one entry per data-parallel rank.
+        s = self.scheduler
+        used = s.kv.used * self.config.block_tokens
+        return _json([{"dp_rank": 0, "num_reqs": len(s.running) + len(s.waiting), "num_waiting_reqs": len(s.waiting),
+                       "num_tokens": used, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        s = self.scheduler
+        return _json({**asdict(s.stats), "running": len(s.running), "waiting": len(s.waiting),
+                      "kv_used": s.kv.used, "kv_cached": len(s.kv.lru) + len(s.kv.refs), "kv_evictions": s.kv.evictions,
+                      "config": asdict(self.config), "paths": dict(self.paths)})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        try:
+            self.scheduler.reset()
+        except RuntimeError as exc:
+            return _error(409, str(exc))
+        self.paths.clear()
+        return _json({"reset": True})
+
+
+async def start(config: SimConfig, host: str, port: int) -> web.AppRunner:
+    """Serve ``config`` on ``host:port`` in this event loop; the caller awaits ``runner.cleanup()``."""
+    # handler_cancellation: a client that goes away cancels its handler, which takes the request out.
+    runner = web.AppRunner(SimServer(config).app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+async def _serve(config: SimConfig, host: str, port: int) -> None:
+    runner = await start(config, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"fleet_sim listening on http://{host}:{port} ({config})", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[SimConfig, str, int]:
+    d = SimConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV memory, in blocks")
+    parser.add_argument("--block-tokens", type=int, default=d.block_tokens)
+    parser.add_argument("--max-batch", type=int, default=d.max_batch, help="running requests at most")
+    parser.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="prefill tokens per step")
+    parser.add_argument("--step-ms", type=float, default=d.step_ms, help="fixed cost of a step")
+    parser.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
+    parser.add_argument("--decode-ms-per-seq", type=float, default=d.decode_ms_per_seq)
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="answer length when the body names none")
+    parser.add_argument("--model", default=d.model, help="the id /v1/models lists")
+    parser.add_argument("--catch-up-ms", type=float, default=d.catch_up_ms)
+    a = parser.parse_args(argv)
+    config = SimConfig(kv_blocks=a.kv_blocks, block_tokens=a.block_tokens, max_batch=a.max_batch,
+                       prefill_budget=a.prefill_budget, step_ms=a.step_ms,
+                       prefill_ms_per_token=a.prefill_ms_per_token, decode_ms_per_seq=a.decode_ms_per_seq,
+                       max_tokens=a.max_tokens, model=a.model, catch_up_ms=a.catch_up_ms)
+    return config, a.host, a.port
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config, host, port = parse_args(argv)
+    try:
+        import uvloop
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is one of iop's dependencies (uvicorn[standard])
+        loop_factory = None
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(config, host, port))
+
+
+if __name__ == "__main__":
+    main()
