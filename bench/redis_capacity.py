@@ -1,6 +1,7 @@
 """How far one Redis shard goes: Redis CPU per request, and what ``WAIT`` after a submit costs.
 
     python -m bench.redis_capacity [--seconds 8] [--callers 128] [--chunks 20] [--no-stack]
+    python -m bench.redis_capacity --dispatch-cost [--cost-calls 2000] [--cost-repeat 3]
 
 iop keeps every key under the hash tag ``{iop}``, so the whole fleet lives on one Redis
 shard and every Lua script runs on that shard's one main thread. This benchmark drives
@@ -25,8 +26,21 @@ the thing measured:
 3. **Cross-check** (unless ``--no-stack``): the whole stack of ``bench.throughput`` (API,
    worker and fake provider over HTTP) and the Redis CPU it used per request.
 
-Results go to the console and to the ``redis-capacity`` section of docs/BENCHMARKS.md.
-They describe the machine they were measured on, which is printed with them.
+With ``--dispatch-cost`` it measures, instead of all that, what one script call costs
+Redis as the number of lanes a provider is in grows (issue 19) -- Redis commands per call
+and the script's µs per call, from INFO commandstats around batches of identical calls:
+
+4. ``submit`` that dispatches at once (a free slot) and ``submit`` that queues (no free
+   slot); ``finish`` with nothing waiting and ``finish`` that hands the freed slot to a
+   waiting job -- for 1 / 10 / 100 lanes (``--cost-lanes``), and finish with nothing
+   waiting also at 240 (``--cost-idle-lanes``). N lanes: one provider serving N models
+   (each model a lane of its own, the provider in all of them, so its ``finish`` pumps
+   them all). With flow control on (tenant keys): ``finish`` that hands the slot to a
+   waiting job of one of 1 / 100 / 10,000 backlogged tenants (``--cost-tenants``).
+
+Results go to the console and to the ``redis-capacity`` section of docs/BENCHMARKS.md
+(``--dispatch-cost``: its ``dispatch-cost`` section). They describe the machine they were
+measured on, which is printed with them.
 """
 
 from __future__ import annotations
@@ -37,13 +51,15 @@ import itertools
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import uvloop
@@ -56,12 +72,13 @@ from bench.stack import Stack, markdown_table, percentile, write_section
 from dispatcher import config as cfg
 from dispatcher import events, keys
 from dispatcher.api_side import ApiSide
-from dispatcher.events import Assignment, Done, End, Failed
+from dispatcher.events import Assignment, Done, End, Failed, Meta
 from dispatcher.fastredis import Arg, FastRedis
-from dispatcher.plans import Plans
-from dispatcher.protocol import ScriptCalls
+from dispatcher.plans import Lane, Plans
+from dispatcher.protocol import FinishOutcome, ScriptCalls, SubmitStatus
 from dispatcher.redis_conn import BLOCK_MS, blocking_timeout, connect, connect_fast
 from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenant
 from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
 from workers.sink import RedisSink
@@ -708,6 +725,377 @@ async def stack_table(seconds: float, clients: int) -> str:
                            "Redis share of all CPU used", "Redis CPU µs/req"], rows)
 
 
+# --- part 4 (--dispatch-cost): Redis commands and µs per script call, by lanes and tenants --------
+
+COST_PROVIDER, COST_NODE, COST_REPLICA = "p0", "n0", "api0"
+SUBMIT_DISPATCH = "submit, dispatching at once (a free slot)"
+SUBMIT_QUEUE = "submit, queueing (no free slot)"
+FINISH_IDLE = "finish, nothing waiting"
+FINISH_HANDOFF = "finish, handing the slot to a waiting job"
+FINISH_FAIR = "finish, fair hand-off (flow control on)"
+COST_CALLS = (SUBMIT_DISPATCH, SUBMIT_QUEUE, FINISH_IDLE, FINISH_HANDOFF, FINISH_FAIR)
+# In commandstats but not the scripts' work: the measured EVALSHAs themselves, and the INFO
+# that reads the counters.
+NOT_SCRIPT_WORK = ("evalsha", "evalsha_ro", "info")
+FREE = 10**6  # "a free slot": a capacity no batch fills
+
+
+@dataclass(frozen=True)
+class Batch:
+    """``calls`` script calls of one kind (one EVALSHA each), as INFO commandstats saw them."""
+
+    calls: int
+    commands: dict[str, int]  # command -> its calls inside the scripts over the batch (TIME included)
+    usec: int  # EVALSHA's usec over the batch: the scripts' time in Redis
+
+    @property
+    def total(self) -> int:
+        return sum(self.commands.values())
+
+
+@dataclass(frozen=True)
+class DispatchCost:
+    call: str  # one of COST_CALLS
+    lanes: int  # lanes the provider is in (what its finish pumps)
+    tenants: int | None  # flow control on, this many tenants with jobs waiting; None: off
+    batches: tuple[Batch, ...]
+
+    @property
+    def commands_per_call(self) -> float:
+        return statistics.median(b.total / b.calls for b in self.batches)
+
+    @property
+    def us_per_call(self) -> float:
+        return statistics.median(b.usec / b.calls for b in self.batches)
+
+    @property
+    def us_range(self) -> tuple[float, float]:
+        """The lowest and the highest batch's µs per call."""
+        per_call = [b.usec / b.calls for b in self.batches]
+        return min(per_call), max(per_call)
+
+    def top_commands(self, n: int = 4) -> list[tuple[str, float]]:
+        """The ``n`` commands the calls ran most, with their calls per script call (all batches)."""
+        calls = sum(b.calls for b in self.batches)
+        totals: Counter[str] = Counter()
+        for b in self.batches:
+            totals.update(b.commands)
+        top = sorted(totals.items(), key=lambda item: (-item[1], item[0]))[:n]
+        return [(name, count / calls) for name, count in top]
+
+
+def lanes_config(lanes: int, tenants: int | None = None) -> cfg.Config:
+    """One provider on one node serving ``lanes`` models. Each model is a lane of its own (its
+    one provider serves every endpoint), and the provider is in all of them: its finish pumps
+    every one (``dispatcher/plans.py``). ``tenants``: flow control on, with that many tenant
+    keys (at least two, or there is nothing to control)."""
+    data: dict[str, Any] = {
+        "queue": {"max_queue": 10**7, "queue_timeout_ms": 3_600_000},
+        # A heartbeat that outlives the longest batch: a provider heard from too long ago takes no work.
+        "dispatch": {"heartbeat_ttl_ms": 3_600_000},
+        "models": [{"id": f"m{i}", "providers": {COST_PROVIDER: f"s{i}"}} for i in range(lanes)],
+        "nodes": [{"id": COST_NODE, "providers": [
+            {"id": COST_PROVIDER, "type": "vllm", "base_url": "http://x", "capacity": 1,
+             "models": [f"s{i}" for i in range(lanes)]}]}],
+    }
+    if tenants is not None:
+        data["api"] = {"keys": [{"name": f"t{i}", "key_sha256": f"{i:064x}"} for i in range(max(tenants, 2))]}
+    return cfg.parse(data).config
+
+
+class CostRig:
+    """The real scripts, called one at a time the way the API (``ApiSide``) and a worker
+    (``WorkerSide``) call them, through the request path's client, against one provider
+    in ``lanes`` lanes; with ``tenants``, flow control on and submits by that many tenants
+    in turn."""
+
+    def __init__(self, url: str, lanes: int, tenants: int | None = None) -> None:
+        config = lanes_config(lanes, tenants)
+        self.admin = connect(url)
+        self.fast = connect_fast(url)
+        calls = script_calls(self.admin, self.fast, config)
+        plans = calls.plans
+        assert plans.fair == (tenants is not None)
+        assert sum(len(ls) for ls in plans.lanes_by_model.values()) == lanes
+        self.api = ApiSide(calls, self.admin, COST_REPLICA)
+        self.node = WorkerSide(calls, self.admin, COST_NODE, self.fast)
+        self.lanes: list[Lane] = [plans.main_lane(model.id) for model in config.models]
+        self.tenants = [Tenant(f"t{i}", 0) for i in range(tenants)] if tenants is not None else []
+        self.body = request_body(1024)
+        self.answer = answer_body(1024)
+        self.ids = itertools.count()
+
+    async def close(self) -> None:
+        await self.fast.close()
+        await self.admin.aclose()
+
+    async def reset(self, capacity: int) -> None:
+        """An empty dataset (the scripts stay loaded) and a provider of ``capacity`` slots."""
+        await self.admin.flushall()
+        await self.heartbeat(capacity)
+
+    async def heartbeat(self, capacity: int) -> None:
+        await self.node.heartbeat(COST_PROVIDER, "available", [("capacity", capacity)])
+
+    async def submit(self, expect: SubmitStatus) -> None:
+        """One submit, to the lanes in turn (under flow control: by the tenants in turn)."""
+        n = next(self.ids)
+        lane = self.lanes[n % len(self.lanes)]
+        tenant = self.tenants[n % len(self.tenants)] if self.tenants else None
+        job = tenant.job_id(f"j{n}") if tenant else f"j{n}"
+        submitted = await self.api.submit(job, lane, self.body, "chat/completions", False, tenant=tenant)
+        if submitted.status != expect:
+            raise RuntimeError(f"submit answered {submitted.status}, not {expect}")
+
+    async def submit_many(self, count: int, expect: SubmitStatus) -> None:
+        """Unmeasured set-up: a thousand submits per write."""
+        for start in range(0, count, 1000):
+            await asyncio.gather(*(self.submit(expect) for _ in range(min(1000, count - start))))
+
+    async def running(self, count: int) -> list[Assignment]:
+        """The first ``count`` entries of the node stream: jobs that hold slots (one XRANGE)."""
+        entries = await self.fast.execute("XRANGE", keys.node(COST_NODE), "-", "+", "COUNT", count)
+        if len(entries) != count:
+            raise RuntimeError(f"{len(entries)} jobs running, not {count}")
+        return [Assignment.from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    async def finish(self, job: Assignment) -> None:
+        """The worker's finish of a JSON answer (the final event carries the 1 KiB body)."""
+        meta = Meta(job.provider, COST_NODE, job.target, job.queue_ms, job.attempt)
+        outcome = await self.node.finish(job, events.encode(Done(meta, 200, self.answer)))
+        if outcome != FinishOutcome.RELEASED:
+            raise RuntimeError(f"finish answered {outcome}")
+
+    async def handoffs(self, count: int) -> Counter[str]:
+        """``count`` finishes, each of the job the one before dispatched; returns the commands
+        sent besides them (an XRANGE each, to learn which job holds the slot)."""
+        last = None
+        for _ in range(count):
+            [job] = await self.running(1)
+            if job.job == last:
+                raise RuntimeError("a finish handed its slot to nobody")
+            await self.finish(job)
+            last = job.job
+        return Counter(xrange=count)
+
+    async def measure(self, calls: int, run: Callable[[], Awaitable[Counter[str]]]) -> Batch:
+        """INFO commandstats around ``run``, which makes ``calls`` script calls and returns the
+        commands it sent itself besides them (taken off: they are not the scripts' work)."""
+        before = await commandstats(self.admin)
+        own = await run()
+        after = await commandstats(self.admin)
+        delta = {name: n - before.get(name, (0, 0))[0] for name, (n, _) in after.items()}
+        if delta.get("evalsha", 0) != calls:
+            raise RuntimeError(f"{delta.get('evalsha', 0)} EVALSHA in a batch of {calls} script calls")
+        commands = {name: n - own.get(name, 0) for name, n in delta.items() if name not in NOT_SCRIPT_WORK}
+        if any(n < 0 for n in commands.values()):
+            raise RuntimeError(f"fewer commands than the batch sent itself: {commands}")
+        usec = after["evalsha"][1] - before.get("evalsha", (0, 0))[1]
+        return Batch(calls, {name: n for name, n in commands.items() if n}, usec)
+
+    async def check(self, running: int, waiting: int) -> None:
+        """What a batch must leave behind: the slots held and the jobs waiting in all the lanes."""
+        async with self.admin.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.provider(COST_PROVIDER), "in_flight")
+            for lane in self.lanes:
+                pipe.zcard(lane.queue)
+            in_flight, *queued = await pipe.execute()
+        if int(in_flight or 0) != running or sum(queued) != waiting:
+            raise RuntimeError(f"{int(in_flight or 0)} running and {sum(queued)} waiting after a batch, "
+                               f"not {running} and {waiting}")
+
+    async def backlogged(self) -> int:
+        """Tenants with jobs waiting (the q:<tenant> counters of the tenants hash)."""
+        counters = cast(dict[bytes, bytes], await self.admin.hgetall(keys.TENANTS))
+        return sum(1 for name, n in counters.items() if name.startswith(b"q:") and name.count(b":") == 1
+                   and int(n) > 0)
+
+
+async def free_slot_round(rig: CostRig, k: int) -> tuple[Batch, Batch]:
+    """``k`` submits that each dispatch at once, then the ``k`` finishes of those jobs with
+    every queue empty."""
+    await rig.reset(FREE)
+
+    async def submits() -> Counter[str]:
+        for _ in range(k):
+            await rig.submit(SubmitStatus.DISPATCHED)
+        return Counter()
+
+    dispatching = await rig.measure(k, submits)
+    jobs = await rig.running(k)
+
+    async def finishes() -> Counter[str]:
+        for job in jobs:
+            await rig.finish(job)
+        return Counter()
+
+    idle = await rig.measure(k, finishes)
+    await rig.check(running=0, waiting=0)
+    return dispatching, idle
+
+
+async def no_free_slot_round(rig: CostRig, k: int) -> tuple[Batch, Batch]:
+    """One slot, held: ``k`` submits that queue (to the lanes in turn), then ``k`` finishes
+    that each hand the slot to the oldest waiting job, every lane still holding one at the last."""
+    await rig.reset(1)
+    await rig.submit(SubmitStatus.DISPATCHED)
+
+    async def submits() -> Counter[str]:
+        for _ in range(k):
+            await rig.submit(SubmitStatus.QUEUED)
+        return Counter()
+
+    queueing = await rig.measure(k, submits)
+    await rig.submit_many(len(rig.lanes), SubmitStatus.QUEUED)  # dispatched last: one per lane
+    handoff = await rig.measure(k, lambda: rig.handoffs(k))
+    await rig.check(running=1, waiting=len(rig.lanes))
+    return queueing, handoff
+
+
+async def fair_round(rig: CostRig, k: int) -> Batch:
+    """Flow control on, one slot, held: ``T * (ceil(k / T) + 2)`` jobs waiting from the T tenants in
+    turn, then ``k`` finishes that each hand the slot to the fair choice. A tenant gets at most
+    one slot per round of all T, and the holder's tenant starts a round behind: every tenant
+    still has a job waiting at the last finish."""
+    tenants = len(rig.tenants)
+    await rig.reset(1)
+    await rig.submit(SubmitStatus.DISPATCHED)
+    depth = tenants * (-(-k // tenants) + 2)
+    await rig.submit_many(depth, SubmitStatus.QUEUED)
+    handoff = await rig.measure(k, lambda: rig.handoffs(k))
+    await rig.check(running=1, waiting=depth - k)
+    if (left := await rig.backlogged()) != tenants:
+        raise RuntimeError(f"{left} tenants still waiting after the batch, not {tenants}")
+    return handoff
+
+
+async def dispatch_costs(url: str, *, calls: int, repeat: int, lanes: Sequence[int], idle_lanes: Sequence[int],
+                         tenants: Sequence[int]) -> list[DispatchCost]:
+    """Every row of the dispatch-cost table: ``repeat`` batches of ``calls`` calls each,
+    interleaved (every row's first batch, then every row's second, ...) so that a noisy
+    moment of the machine does not land on one row alone. ``idle_lanes``: lane counts
+    measured for the finish with nothing waiting only."""
+    admin = connect(url)
+    try:
+        await Scripts(admin).load()  # FLUSHALL keeps them
+    finally:
+        await admin.aclose()
+    lane_rigs = {n: CostRig(url, n) for n in sorted({*lanes, *idle_lanes})}
+    fair_rigs = {t: CostRig(url, 1, t) for t in sorted(set(tenants))}
+    found: dict[tuple[str, int, int | None], list[Batch]] = defaultdict(list)
+    try:
+        for i in range(repeat):
+            started = time.perf_counter()
+            for n, rig in lane_rigs.items():
+                dispatching, idle = await free_slot_round(rig, calls)
+                found[(FINISH_IDLE, n, None)].append(idle)
+                if n in lanes:
+                    found[(SUBMIT_DISPATCH, n, None)].append(dispatching)
+                    queueing, handoff = await no_free_slot_round(rig, calls)
+                    found[(SUBMIT_QUEUE, n, None)].append(queueing)
+                    found[(FINISH_HANDOFF, n, None)].append(handoff)
+            for t, rig in fair_rigs.items():
+                found[(FINISH_FAIR, 1, t)].append(await fair_round(rig, calls))
+            print(f"  round {i + 1}/{repeat}: {time.perf_counter() - started:.1f} s", flush=True)
+    finally:
+        for rig in [*lane_rigs.values(), *fair_rigs.values()]:
+            await rig.close()
+    order = sorted(found, key=lambda key: (COST_CALLS.index(key[0]), key[2] or 0, key[1]))
+    return [DispatchCost(call, n, t, tuple(found[(call, n, t)])) for call, n, t in order]
+
+
+def checkout() -> str:
+    """The commit measured, and whether the scripts' working tree differs from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        changed = git("--no-optional-locks", "status", "--porcelain", "--", "lua", "dispatcher").splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "an unknown commit (no git)"
+    if not changed:
+        return f"commit {commit} (`git rev-parse --short HEAD`; lua/ and dispatcher/ as committed)"
+    files = ", ".join(line[3:] for line in changed)
+    return f"commit {commit} (`git rev-parse --short HEAD`) with uncommitted changes to {files}"
+
+
+def dispatch_cost_table(costs: Sequence[DispatchCost]) -> str:
+    rows = []
+    for c in costs:
+        # The row this one is compared with: the same call at the fewest lanes (tenants).
+        ref = min((o for o in costs if o.call == c.call), key=lambda o: (o.lanes, o.tenants or 0))
+        rows.append([
+            c.call, str(c.lanes), "-" if c.tenants is None else f"{c.tenants:,}",
+            f"{c.commands_per_call:,.1f}", f"{c.us_per_call:,.1f} ({c.us_range[0]:,.0f}-{c.us_range[1]:,.0f})",
+            "-" if ref is c else f"{(c.us_per_call / ref.us_per_call - 1) * 100:+.0f}%",
+            ", ".join(f"{name.upper()} {per:,.3g}" for name, per in c.top_commands()),
+        ])
+    return markdown_table(["call", "lanes", "tenants with jobs waiting (flow control on)", "Redis commands per call",
+                           "µs per call in Redis (batches' range)", "µs vs the 1-lane (1-tenant) row",
+                           "most frequent commands, per call"], rows)
+
+
+def dispatch_cost_target(costs: Sequence[DispatchCost], lanes: int = 240) -> str:
+    """Issue 19's target: a finish with every queue empty at ``lanes`` lanes costs within 10%
+    of the one-lane figure."""
+    idle = {c.lanes: c for c in costs if c.call == FINISH_IDLE}
+    if 1 not in idle or lanes not in idle:
+        return ""
+    one, many = idle[1], idle[lanes]
+    growth = many.us_per_call / one.us_per_call - 1
+    return (f"Target (issue 19): a finish with every queue empty at {lanes} lanes within 10% of the one-lane "
+            f"cost. Measured: {many.us_per_call:.1f} µs vs {one.us_per_call:.1f} µs ({growth * 100:+.0f}%), "
+            f"{many.commands_per_call:,.1f} vs {one.commands_per_call:,.1f} Redis commands: "
+            f"**{'met' if growth <= 0.10 else 'missed'}**.\n")
+
+
+def dispatch_cost_report(costs: Sequence[DispatchCost], args: argparse.Namespace, before: str) -> str:
+    k, r = args.cost_calls, args.cost_repeat
+    return "\n".join([
+        f"Scripts of {checkout()}. Machine: {machine()}. Load average before the run: {before}; after: "
+        f"{load_average()}.\n",
+        f"Each row: batches of {k:,} calls of one kind, one at a time, each call one EVALSHA of the real script "
+        "(`ApiSide.submit`, `WorkerSide.finish` through the request path's client), against a private "
+        "redis-server on loopback, with INFO commandstats read before and after each batch. **Redis commands per "
+        "call**: the calls of every command in that difference except EVALSHA, EVALSHA_RO and INFO (so the "
+        "commands the script ran, TIME included), less the batch's own reads (an XRANGE per hand-off, to learn "
+        f"the job that holds the slot), over {k:,}; not always a whole number, since a dispatch also SETs the "
+        "fence counter when it is behind the server's clock (`lua/lib/pump.lua`). **µs per call**: EVALSHA's "
+        f"usec over {k:,}, the wall-clock time Redis spent in the script (not the network, not the client). "
+        f"Median of {r} batches per row, interleaved (every row's first batch, then every row's second, ...). "
+        "One call at a time, Redis idles between calls and each script runs on cold caches: these µs are "
+        "several times the same script's under a steady load (the redis-capacity section), and a busy machine "
+        "inflates them (wall-clock time); compare the rows with each other. The commands per call do not "
+        "depend on the machine.\n",
+        "N lanes: one provider on one node serving N models, each model a lane of its own with that one provider "
+        "(`dispatcher/plans.py`), so the provider's `finish` pumps all N. Submits (a 1 KiB chat body) go to the "
+        "lanes in turn; a finish writes a JSON answer's final event (1 KiB body) to the reply stream. *Free "
+        f"slot*: capacity {FREE:,}; the finishes are those of the submitted jobs, every queue empty. *No free "
+        f"slot*: capacity 1, held; the submits queue, then {k:,} + N jobs wait and each finish hands the slot "
+        "to the oldest (every lane still has a job waiting at the last finish). *Flow control*: one model (one "
+        "lane), tenant keys (at least two, so flow control is on), capacity 1, held; T * (ceil(K / T) + 2) jobs wait "
+        "from the T tenants in turn, so all T are still backlogged at the last of the K finishes, each of which "
+        "hands the slot to the fair choice. The 240-lane row is the finish with nothing waiting only.\n",
+        dispatch_cost_table(costs),
+        dispatch_cost_target(costs),
+    ])
+
+
+async def dispatch_cost_main(args: argparse.Namespace) -> str:
+    asyncio.get_running_loop().set_exception_handler(quiet_closed_connections)
+    before = load_average()
+    with Servers(replica=False) as servers:
+        costs = await dispatch_costs(servers.url, calls=args.cost_calls, repeat=args.cost_repeat,
+                                     lanes=args.cost_lanes, idle_lanes=args.cost_idle_lanes,
+                                     tenants=args.cost_tenants)
+    report = dispatch_cost_report(costs, args, before)
+    print(report, flush=True)
+    return report
+
+
 # --- the report -----------------------------------------------------------------------------------
 
 
@@ -832,7 +1220,22 @@ def parser() -> argparse.ArgumentParser:
                    help="cross-check with the whole stack over HTTP")
     p.add_argument("--stack-seconds", type=float, default=8.0)
     p.add_argument("--stack-clients", type=int, default=32)
+    p.add_argument("--dispatch-cost", action="store_true",
+                   help="instead of the above: Redis commands and µs per submit / finish, by lanes and tenants")
+    p.add_argument("--cost-calls", type=int, default=2000, help="dispatch cost: calls per batch")
+    p.add_argument("--cost-repeat", type=int, default=3, help="dispatch cost: batches per row; the median is shown")
+    p.add_argument("--cost-lanes", type=int_list, default=[1, 10, 100], help="dispatch cost: lanes (comma-separated)")
+    p.add_argument("--cost-idle-lanes", type=int_list, default=[240],
+                   help="dispatch cost: more lanes, for the finish with nothing waiting only")
+    p.add_argument("--cost-tenants", type=int_list, default=[1, 100, 10_000],
+                   help="dispatch cost: backlogged tenants under flow control (comma-separated)")
+    p.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the results into docs/BENCHMARKS.md")
     return p
+
+
+def int_list(value: str) -> list[int]:
+    return [int(x) for x in value.split(",") if x]
 
 
 if __name__ == "__main__":
@@ -840,5 +1243,9 @@ if __name__ == "__main__":
     command = command_line(arguments)
     print(f"$ {command}\n")
     uvloop.install()
-    report = asyncio.run(main(arguments))
-    write_section("redis-capacity", command, report)
+    if arguments.dispatch_cost:
+        section, report = "dispatch-cost", asyncio.run(dispatch_cost_main(arguments))
+    else:
+        section, report = "redis-capacity", asyncio.run(main(arguments))
+    if arguments.write:
+        write_section(section, command, report)
