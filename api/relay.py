@@ -24,6 +24,7 @@ from dispatcher.endpoints import ENDPOINTS
 from dispatcher.events import Chunks, Done, Failed
 from dispatcher.exceptions import (
     JobCancelled,
+    NoProviderAvailable,
     QueueFull,
     RedisUnavailable,
     RequestError,
@@ -98,9 +99,11 @@ async def _relay(
         if submitted.status == SubmitStatus.UNAVAILABLE:
             wait.settled = True
             raise ResponseProviderDown(
-                f"The provider holding this response ({', '.join(intake.lane.providers)}) is unavailable; "
-                "retry later"
+                f"The provider holding this response is unavailable ({submitted.why}); retry later"
             )
+        if submitted.status == SubmitStatus.NO_PROVIDER:
+            wait.settled = True
+            raise NoProviderAvailable(f"No provider of '{model_id}' is available ({submitted.why}); retry later")
         wait.waiting(submitted)
         first = await wait.next_event()
         hang_up.stop()

@@ -168,6 +168,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     fence: int | None = msgspec.field(name="f", default=None)
     entry_id: str | None = msgspec.field(name="ne", default=None)
     output_started: int = msgspec.field(name="o", default=0)
+    endpoint: str = msgspec.field(name="ep", default="")
+    # The provider a pinned job must go to (its stored Response is there).
+    pin: str | None = None
 
 
 _record_decoder = msgspec.json.Decoder(JobRecord)

@@ -20,6 +20,8 @@ Hierarchy::
         ├── QueueFull               429 queue_full, with Retry-After
         ├── TenantQueueFull         429 tenant_queue_full, with Retry-After
         ├── QueueTimeout            503 queue_timeout, with Retry-After
+        ├── NoProviderAvailable     503 no_provider_available (every provider of the request is
+        │                           down, drained or unheard-of; each one's reason), with Retry-After
         ├── Overloaded              503 server_overloaded, with Retry-After
         ├── RedisUnavailable        503 redis_unavailable, with Retry-After
         └── ProviderError           the provider call failed (raised in workers, relayed to the API)
@@ -192,6 +194,16 @@ class QueueTimeout(RequestError):
     retry_after = 1
 
 
+class NoProviderAvailable(RequestError):
+    """No provider that could serve the request can take work: answered at once, not after
+    the queue deadline (unless the model holds requests: ``hold_when_unavailable_ms``)."""
+
+    status = 503
+    type = "server_error"
+    code = "no_provider_available"
+    retry_after = 5
+
+
 class Overloaded(RequestError):
     status = 503
     type = "server_error"
@@ -271,6 +283,8 @@ _BY_CODE: dict[str, type[RequestError]] = {
         BodyTooLarge,
         QueueFull,
         QueueTimeout,
+        NoProviderAvailable,
+        ResponseProviderDown,
         Overloaded,
         RedisUnavailable,
         ProviderUnreachable,

@@ -32,14 +32,20 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:tenants``        | hash   | flow control: ``q:<tenant>[:<model>]`` waiting, ``r:...``      |
 |                          |        | running jobs of each tenant                                    |
 | ``{iop}:tenant:limits``  | hash   | tenant -> max_in_flight (written by the API from its config)   |
-| ``{iop}:vt``             | hash   | lane queue key -> virtual time (tag of its last dispatch)      |
-| ``{iop}:ft``             | hash   | lane queue key \\t tenant -> start tag of the tenant's next job |
+| ``{iop}:vt``             | hash   | ``band:<rank>`` -> virtual time (tag of its last dispatch)     |
+| ``{iop}:ft``             | hash   | tenant -> start tag of the tenant's next job                   |
+| ``{iop}:park:<tenant>``  | zset   | a tenant at its max_in_flight: its parked jobs -> their tags   |
 | ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
 |                          |        | on a new server, expiries are renewed before anyone is judged |
 
 Channel ``{iop}:cancel:<node>`` tells a node's workers to abort a running job.
+
+The separators that join ids here (``|``, ``,`` and ``#`` in queue keys, ``~`` in job ids,
+``:`` in tenant counters, a tab in finish tags and stored Responses) are kept out of the ids
+they could confuse by config validation (``dispatcher/config/validation.py``), so two ids
+never make one key.
 """
 
 from __future__ import annotations
@@ -84,6 +90,11 @@ def queue(model_id: str, lane: str = "") -> str:
 
 def node(node_id: str) -> str:
     return f"{PREFIX}:n:{node_id}"
+
+
+def parked(tenant: str) -> str:
+    """A capped tenant's parked jobs (``lua/lib/pump.lua`` park_job): job id -> its tag."""
+    return f"{PREFIX}:park:{tenant}"
 
 
 def reply(replica_id: str) -> str:

@@ -58,6 +58,8 @@ class Lane:
 def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     """``fair``: flow control is on (``dispatcher/tenants.py``)."""
     node_of = {prov.id: node.id for node, prov in config.providers()}
+    # ',a,b,': what lib/pump.lua's serves() looks a job's endpoint up in.
+    endpoints_of = {prov.id: "," + ",".join(sorted(prov.served_endpoints)) + "," for _, prov in config.providers()}
     index: dict[str, int] = {}
 
     def pos(key: str) -> int:
@@ -70,18 +72,21 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         model = config.model(lane.model)
         assert model is not None
         cands = [
-            [pid, model.providers[pid], pos(keys.provider(pid)), pos(keys.node(node_of[pid])), node_of[pid]]
+            [pid, model.providers[pid], pos(keys.provider(pid)), pos(keys.node(node_of[pid])), node_of[pid],
+             endpoints_of[pid]]
             for pid in lane.providers
             if pid in node_of
         ]
-        group = {"m": lane.model, "l": lane.name, "q": pos(lane.queue), "c": cands}
+        group = {"m": lane.model, "l": lane.name, "q": pos(lane.queue), "c": cands,
+                 "h": config.hold_when_unavailable_ms(model)}
         if fair:
             group["b"] = lane.band
         groups.append(group)
     if not fair:
         return Plan(keys=tuple(index), spec=msgspec.json.encode(groups))
     head = {"t": pos(keys.TENANTS), "lim": pos(keys.TENANT_LIMITS), "v": pos(keys.VIRTUAL_TIME),
-            "f": pos(keys.FINISH_TAGS), "cap": any(k.max_in_flight for k in config.api.keys)}
+            "f": pos(keys.FINISH_TAGS), "cap": any(k.max_in_flight for k in config.api.keys),
+            "pk": keys.parked("")}
     return Plan(keys=tuple(index), spec=msgspec.json.encode({"g": groups, **head}))
 
 
@@ -127,6 +132,9 @@ class Plans:
                                              for rank in range(len(self.bands))]
         self.by_lane = {(ln.model, ln.name): build(config, [ln], self.fair)
                         for lanes in self.lanes_by_model.values() for ln in lanes}
+        # Every queue key some plan of this config pumps (dispatcher/reaper.py rehomes the rest).
+        self.by_queue = {keys.queue(model, name): plan for (model, name), plan in self.by_lane.items()}
+        self.everything = build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes], self.fair)
         self.by_provider = {
             prov.id: build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes
                                     if prov.id in ln.providers], self.fair)
@@ -152,3 +160,15 @@ class Plans:
     def pinned_lane(self, model_id: str, provider_id: str) -> Lane | None:
         """The lane that holds ``provider_id`` alone (default band), if it serves ``model_id``."""
         return self.provider_lane.get((model_id, provider_id))
+
+    def home_of(self, model_id: str, lane_name: str, endpoint: str, pin: str | None) -> Lane | None:
+        """Where a job waiting in lane ``lane_name`` of ``model_id`` belongs under this config:
+        the lane of the providers that serve its endpoint (or of the provider it is pinned
+        to), in the band its lane was in (the default band if that band is gone). None when
+        no lane of this config may take it (its model, or its pinned provider, is gone)."""
+        lane = self.pinned_lane(model_id, pin) if pin else self.lane_for(model_id, endpoint)
+        if lane is None:
+            return None
+        band_name = lane_name.partition("#")[2]
+        band = self.bands.index(band_name) if band_name in self.bands else self.default_band
+        return self.banded(lane, band)

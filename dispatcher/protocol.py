@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from dispatcher import events, keys
+import msgspec
+
+from dispatcher import events, keys, wire
 from dispatcher.config import Config
 from dispatcher.events import Assignment, JobRecord
 from dispatcher.exceptions import ModelNotFound
@@ -28,6 +30,9 @@ DEFAULT = Tenant("default", 0)
 # A replica's reply stream and job set outlive its last heartbeat by this much, so a
 # dead replica's keys expire even if no reaper ever runs again.
 REPLY_KEEP_MS = 300_000
+# Waiting jobs of one lane answered no_provider_available per script call: the rest at the
+# next call (a reaper round), so that one call stays short.
+REFUSE_LIMIT = 500
 
 
 class SubmitStatus(StrEnum):
@@ -37,6 +42,7 @@ class SubmitStatus(StrEnum):
     DUPLICATE = "duplicate"  # a retried submit whose first try went through
     UNAVAILABLE = "unavailable"  # pinned to one provider, which cannot take work
     TENANT_FULL = "tenant_full"  # its tenant has max_queued jobs waiting
+    NO_PROVIDER = "no_provider"  # none of its providers can take work, and the model holds nothing
 
 
 class CancelReason(StrEnum):
@@ -89,6 +95,8 @@ class Submitted:
     status: SubmitStatus
     queued: int
     wait_ms: int  # until the queue deadline, on the server's clock
+    # UNAVAILABLE, NO_PROVIDER: each provider's reason ("a: stale heartbeat ...; b: ...").
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +143,9 @@ class ScriptCalls:
         d = config.dispatch
         self._lease_ms = d.lease_ms
         self._queue_limits = {m.id: (config.queue_timeout_ms(m), config.max_queue(m)) for m in config.models}
+        refusal = wire.Refusal(keys.reply(""), keys.replica_jobs(""), REPLY_KEEP_MS, REFUSE_LIMIT)
+        self._refusal = wire.encode(refusal)
+        self._sweep = wire.encode(msgspec.structs.replace(refusal, silent_is_down=True))
 
     # --- the API side -----------------------------------------------------------------------
 
@@ -149,13 +160,15 @@ class ScriptCalls:
             raise ModelNotFound(lane.model)
         ks, head = plan.args((*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica)), self._lease_ms)
         timeout_ms, max_queue = self._queue_limits[lane.model]
-        args: list[Arg] = [*head, job, body, lane.model, replica, endpoint, int(stream), timeout_ms, max_queue,
-                           lane.name, int(pinned)]
-        if self.plans.fair:
-            t = tenant or DEFAULT
-            args += [t.name, repr(t.weight), t.max_queued or 0]
-        status, queued, deadline, now = await self.scripts.submit(ks, args)
-        return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now))
+        t = (tenant or DEFAULT) if self.plans.fair else None
+        opts = wire.SubmitOptions(
+            job=job, model=lane.model, replica=replica, endpoint=endpoint, stream=int(stream), lane=lane.name,
+            timeout_ms=timeout_ms, max_queue=max_queue, pinned=pinned,
+            tenant=t.name if t else "", weight=t.weight if t else 1.0, max_queued=(t.max_queued or 0) if t else 0,
+        )
+        status, queued, deadline, now, *why = await self.scripts.submit(ks, [*head, wire.encode(opts), body])
+        return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now),
+                         why[0].decode() if why else "")
 
     async def cancel(self, job: str, queue_key: str, replica: str, reason: CancelReason) -> Cancelled:
         """``queue_key``: the queue of the job's lane."""
@@ -205,12 +218,14 @@ class ScriptCalls:
                 for i in range(0, len(flat), 3)]
 
     async def heartbeat(self, provider: str, health: str, fields: Sequence[tuple[str, str | int]]) -> int:
-        """Publish a provider; returns how many waiting jobs it took."""
+        """Publish a provider; returns how many waiting jobs it took (available), or how many
+        it answered no_provider_available (not: it was the last provider of their lanes)."""
         ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
         flat: list[Arg] = []
         for name, value in fields:
             flat += [name, value]
-        return int(await self.scripts.heartbeat(ks, [*head, health, self.config.dispatch.heartbeat_ttl_ms, *flat]))
+        ttl_ms = self.config.dispatch.heartbeat_ttl_ms
+        return int(await self.scripts.heartbeat(ks, [*head, health, ttl_ms, self._refusal, *flat]))
 
     async def remember_response(self, response_id: str, provider: str, model: str) -> None:
         r = self.config.responses
@@ -223,10 +238,25 @@ class ScriptCalls:
     async def drain(self, provider: str, mode: Literal["drain", "resume"]) -> Drained:
         """Set (``drain``) or clear (``resume``, which pumps) a provider's drain mark."""
         ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
-        mark, in_flight, dispatched = await self.scripts.drain(ks, [*head, mode])
+        mark, in_flight, dispatched = await self.scripts.drain(ks, [*head, mode, self._refusal])
         return Drained(mark.decode() or None, int(in_flight), int(dispatched))
 
     # --- maintenance ------------------------------------------------------------------------
+
+    async def rehome(self, old_queue: str, lane: Lane, jobs: Sequence[str]) -> tuple[int, int]:
+        """Move waiting ``jobs`` from ``old_queue`` (a lane this config has not) to ``lane``, then
+        pump it; returns (moved, dispatched)."""
+        ks, head = self.plans.by_lane[(lane.model, lane.name)].args(
+            (*keys.PUMP_KEYS, old_queue, lane.queue), self._lease_ms)
+        moved, dispatched = await self.scripts.rehome(ks, [*head, lane.name, *jobs])
+        return int(moved), int(dispatched)
+
+    async def refuse(self) -> int:
+        """Answer no_provider_available the jobs waiting in lanes none of whose providers can
+        take work now, counting a provider whose worker is silent as down (a reaper round:
+        Redis was reachable); returns how many."""
+        ks, head = self.plans.everything.args(keys.PUMP_KEYS, self._lease_ms)
+        return int(await self.scripts.refuse(ks, [*head, self._sweep]))
 
     async def reap_round(self, run_id: str) -> Round:
         d = self.config.dispatch
@@ -246,9 +276,18 @@ class ScriptCalls:
         )
         return ReapOutcome(outcome.decode())
 
-    async def reconcile(self, provider_ids: list[str]) -> list[Correction]:
-        flat = await self.scripts.reconcile([*keys.JOB_KEYS, *(keys.provider(p) for p in provider_ids)], provider_ids)
-        return [Correction(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+    async def reconcile(self, provider_ids: list[str]) -> tuple[list[Correction], list[Correction]]:
+        """In one script: each provider's in_flight set to its live leases, and the tenant
+        counters to the job records. The corrections of each: of the counters, ``provider``
+        names the field of ``keys.TENANTS`` (``q:<tenant>``, ``r:<tenant>:<model>`` ...)."""
+        replies = await self.scripts.reconcile(
+            [*keys.JOB_KEYS, keys.TENANTS, *(keys.provider(p) for p in provider_ids)], provider_ids
+        )
+        in_flight, counters = (
+            [Correction(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
+            for flat in replies
+        )
+        return in_flight, counters
 
     def _settle_args(
         self, provider: str, node: str, replica: str, queue_key: str, *extra: str
@@ -256,7 +295,9 @@ class ScriptCalls:
         """KEYS and ARGV head of the scripts that end a dispatch (finish, reap_lease): the job's
         node stream, reply stream, replica set, provider and lane queue, ``extra``, then the
         plan of every lane the provider is in, which they pump with the freed slot."""
-        plan = self.plans.by_provider.get(provider, self.plans.empty)
+        # A provider a reload removed has no plan: the job's lane's own then, so that a retry
+        # finds its lane's other providers and the freed job goes to one of them at once.
+        plan = self.plans.by_provider.get(provider) or self.plans.by_queue.get(queue_key, self.plans.empty)
         ks, head = plan.args(
             (*keys.PUMP_KEYS, keys.node(node), keys.reply(replica), keys.replica_jobs(replica),
              keys.provider(provider), queue_key, *extra),

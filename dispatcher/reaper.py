@@ -9,7 +9,8 @@ traffic -- or with another round -- changes nothing it should not.
 A round never judges liveness across a gap in the fleet's view of Redis: ``reap_round``
 opens it, and when the last round is too long ago (Redis was down or restored) or ran on
 another server (a restart or a failover), it first gives every lease and replica a fresh
-period, and the round then reconciles in_flight with the leases the server holds.
+period, and the round then reconciles in_flight with the leases the server holds (and the
+tenant counters with its job records).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 from dispatcher import events, keys
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
+from dispatcher.plans import Lane
 from dispatcher.protocol import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
@@ -33,12 +35,22 @@ BATCH = 200
 # A live API cancels its own expired jobs at their deadline; this is the backstop for
 # one that could not (Redis was away at that moment).
 ORPHAN_GRACE_MS = 30_000
-# Rounds between the slower checks: in_flight against leases, and departed consumers.
+# Rounds between the slower checks: in_flight against leases, tenant counters against job
+# records, and departed consumers.
 RECONCILE_EVERY = 30
 # A consumer (worker process) idle this long with nothing pending is gone: a live worker
 # reads at least every third of a lease, and one removed by mistake is recreated by its
 # next read, so the threshold only needs to be safely above a read.
 CONSUMER_IDLE_MS = 60_000
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """What a reconcile corrected: providers' in_flight, and flow control's tenant counters
+    (there ``provider`` is the counter's field of ``keys.TENANTS``, e.g. ``r:acme:qwen``)."""
+
+    in_flight: list[Correction]
+    counters: list[Correction]
 
 
 @dataclass
@@ -48,7 +60,9 @@ class ReapStats:
     new_server: bool = False
     replicas: int = 0
     orphans: int = 0
-    corrected: list[Correction] | None = None
+    refused: int = 0
+    rehomed: int = 0
+    corrected: Reconciled | None = None
 
 
 class Reaper:
@@ -56,6 +70,8 @@ class Reaper:
         self.redis = redis
         self.owner = owner
         self.rounds = 0
+        # Server ms before which a round does not judge providers by their heartbeats.
+        self._judge_providers_after = 0
         self.use(calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
@@ -93,18 +109,66 @@ class Reaper:
         stats = ReapStats(leases=await self.reap_leases(now), gap_ms=gap_ms, new_server=new_server)
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
+        stats.rehomed = await self.rehome()
+        if gap_ms or new_server:
+            # Heartbeats could not be written across the gap either: a provider looks stale
+            # until its worker's next one, which must not answer its waiting jobs.
+            self._judge_providers_after = now + self.config.dispatch.heartbeat_ttl_ms
+        elif now >= self._judge_providers_after:
+            stats.refused = await self.refuse_unavailable()
         if self.rounds % RECONCILE_EVERY == 0 or gap_ms or new_server:
             stats.corrected = await self.reconcile()
             await self.forget_departed_consumers()
         self.rounds += 1
         return stats
 
-    async def reconcile(self) -> list[Correction]:
-        """Set in_flight to the live leases of every configured provider; the corrections."""
-        fixes = await self.calls.reconcile(self.provider_ids)
-        for fix in fixes:
+    async def rehome(self) -> int:
+        """Waiting jobs in lane queues no plan of this config pumps (a reload renamed their lane,
+        or a replica not yet reloaded queued them there): moved to the lane each belongs in
+        now. Returns how many moved. During a rolling reload a process still on the old config
+        may move some back; each move keeps the job's place, and the last config wins."""
+        moved = 0
+        known = self.calls.plans.by_queue
+        async for raw_key in self.redis.scan_iter(match=keys.queue("*"), count=1000):
+            queue = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+            if queue in known:
+                continue
+            jobs = cast(list[bytes], await self.redis.zrange(queue, 0, BATCH - 1))
+            if not jobs:
+                continue
+            records = cast(list[bytes | None], await self.redis.hmget(keys.JOBS, jobs))
+            homes: dict[Lane, list[str]] = {}
+            for raw_job, raw in zip(jobs, records, strict=True):
+                if raw is None:
+                    continue
+                rec = decode_record(raw)
+                lane = self.calls.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
+                if rec.state == "q" and lane is not None and lane.queue != queue:
+                    homes.setdefault(lane, []).append(raw_job.decode())
+            for lane, group in homes.items():
+                n, _ = await self.calls.rehome(queue, lane, group)
+                moved += n
+            if homes:
+                log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
+        return moved
+
+    async def refuse_unavailable(self) -> int:
+        """Waiting jobs whose lanes have no provider that can take work (its worker died, or a
+        model's hold ran out): answered 503 no_provider_available now, not at their deadline."""
+        refused = await self.calls.refuse()
+        if refused:
+            log.warning("%d waiting requests answered no_provider_available: no provider of theirs is up", refused)
+        return refused
+
+    async def reconcile(self) -> Reconciled:
+        """Set in_flight to the live leases of every configured provider, and the tenant
+        counters to the job records; the corrections."""
+        in_flight, counters = await self.calls.reconcile(self.provider_ids)
+        for fix in in_flight:
             log.warning("in_flight of %s was %d, live leases say %d: corrected", fix.provider, fix.old, fix.new)
-        return fixes
+        for fix in counters:
+            log.warning("tenant counter %s was %d, job records say %d: corrected", fix.provider, fix.old, fix.new)
+        return Reconciled(in_flight, counters)
 
     async def forget_departed_consumers(self) -> int:
         """Drop consumer-group members (old worker processes) that hold nothing and went quiet."""

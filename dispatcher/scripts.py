@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response", "drain")
+         "reconcile", "remember_response", "drain", "refuse", "rehome")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -86,6 +86,8 @@ class Scripts:
         self.reconcile = Script(redis, fast, "reconcile")
         self.remember_response = Script(redis, fast, "remember_response")
         self.drain = Script(redis, fast, "drain")
+        self.refuse = Script(redis, fast, "refuse")
+        self.rehome = Script(redis, fast, "rehome")
 
     def all(self) -> list[Script]:
         return [getattr(self, name) for name in NAMES]

@@ -46,6 +46,13 @@ class WorkerSide:
         """A stored Response was made by the job's provider: later calls on it go there."""
         await self.calls.remember_response(response_id, job.provider, job.model)
 
+    async def forget_response(self, response_id: str) -> None:
+        """A stored Response was deleted by its provider: later calls on it are iop's 404."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(keys.RESPONSES, response_id)
+            pipe.zrem(keys.RESPONSES_BY_EXPIRY, response_id)
+            await pipe.execute()
+
     async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
         """Extend the leases of (job, fence) runs; the runs to abort."""
         return await self.calls.renew(runs, reply_within)

@@ -10,6 +10,8 @@
 -- ARGV[4]    'drain': set the mark (one already set keeps its time)
 --            | 'resume': clear it, then pump the provider's groups, so waiting jobs take its
 --            free slots now rather than at its next heartbeat
+-- ARGV[5]    refusal options, JSON (dispatcher/wire.py Refusal): a drain that leaves a lane
+--            with no provider answers its waiting jobs at once (lib/pump.lua refuse_unavailable)
 -- Returns {mark ('' when open), in_flight, jobs dispatched}
 --!include lib/jobs.lua
 --!include lib/pump.lua
@@ -21,6 +23,7 @@ if ARGV[4] == 'drain' then
   if (redis.call('HGET', PROVIDER, 'drain') or '') == '' then
     redis.call('HSET', PROVIDER, 'drain', now)
   end
+  refuse_plan(now, cjson.decode(ARGV[5]))
 else
   redis.call('HDEL', PROVIDER, 'drain')
   dispatched = pump(now)

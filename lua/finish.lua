@@ -38,7 +38,7 @@ local rec = get_record(job)
 if not owned(rec, ARGV[5]) then
   return {'stale', 0}
 end
-release_slot(job, PROVIDER, rec)
+if release_slot(job, PROVIDER, rec) then released(rec) end
 local now = now_ms()
 local tokens = tonumber(ARGV[13]) or 0
 if tokens > 0 then

@@ -1,5 +1,7 @@
 -- heartbeat: a worker publishes one provider's description and probed health, then pumps
--- the provider's groups (a provider that just became available takes waiting jobs).
+-- the provider's groups (a provider that just became available takes waiting jobs), or,
+-- when it is not available, answers the jobs waiting in lanes it leaves with no provider
+-- at all (lib/pump.lua refuse_unavailable).
 -- in_flight is never written here: only dispatch and release move it.
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
@@ -7,19 +9,20 @@
 -- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    health: 'available' | 'unavailable'
 -- ARGV[5]    heartbeat TTL ms: the provider is not chosen once it passes
--- ARGV[6..]  field, value, ... (node, type, category, capacity, models, probe reason, ...)
--- Returns the number of jobs dispatched
+-- ARGV[6]    refusal options, JSON (dispatcher/wire.py Refusal)
+-- ARGV[7..]  field, value, ... (node, type, category, capacity, models, probe reason, ...)
+-- Returns the number of jobs dispatched (available) or refused (not)
 --!include lib/jobs.lua
 --!include lib/pump.lua
 
 local PROVIDER = KEYS[6]
 local now = now_ms()
-for i = 6, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   redis.call('HSET', PROVIDER, ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', PROVIDER, 'health', ARGV[4], 'hb_ms', now, 'hb_exp', now + tonumber(ARGV[5]))
 redis.call('HSETNX', PROVIDER, 'in_flight', 0)
 if ARGV[4] ~= 'available' then
-  return 0
+  return refuse_plan(now, cjson.decode(ARGV[6]))
 end
 return pump(now)

@@ -36,7 +36,7 @@ if rec == nil then
   redis.call('ZREM', LEASES, job)
   return {'skip', 0}
 end
-release_slot(job, PROVIDER, rec)
+if release_slot(job, PROVIDER, rec) then released(rec) end
 if rec.ne then
   redis.call('XACK', NODE, ARGV[5], rec.ne)
   redis.call('XDEL', NODE, rec.ne)

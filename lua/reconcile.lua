@@ -1,13 +1,28 @@
--- reconcile: make each provider's in_flight equal the number of live leases it holds,
--- and drop leases that no job record backs. A safety net run at worker start-up and
--- now and then by the reaper: every script keeps the two in step, but an operator's
--- manual edit or a restore from an old snapshot may not.
+-- reconcile: make each provider's in_flight equal the number of live leases it holds, drop
+-- leases that no job record backs, and rebuild flow control's tenant counters from the job
+-- records. A safety net run at worker start-up and now and then by the reaper: every script
+-- keeps them in step, but an operator's manual edit, a restore from an old snapshot, or a
+-- release by a process whose plans have no tenants hash (a reload took the provider, or flow
+-- control, away) may not.
 --
 -- KEYS[1..4] jobs, bodies, leases, deadlines (see lib/jobs.lua)
--- KEYS[5..]  provider hashes, in the order of ARGV
+-- KEYS[5]    the tenants hash: q:<tenant>[:<model>] waiting, r:<tenant>[:<model>] running
+-- KEYS[6..]  provider hashes, in the order of ARGV
 -- ARGV[1..]  provider ids
--- Returns a flat list provider id, old in_flight, new in_flight of every correction
+-- Returns {in_flight fixes, counter fixes}, each a flat list name, old, new of every
+-- correction: a provider id, or a field of the tenants hash.
 --!include lib/jobs.lua
+
+TENANTS = KEYS[5]
+
+-- What the counters should say: a waiting job (state 'q') counts in q:, one that holds a
+-- lease in r: -- exactly when lib/jobs.lua's count() moves them, for jobs that name a tenant.
+local want = {}
+local function expect(kind, rec)
+  for _, field in ipairs({kind .. ':' .. rec.tn, kind .. ':' .. rec.tn .. ':' .. rec.m}) do
+    want[field] = (want[field] or 0) + 1
+  end
+end
 
 local held = {}
 for _, job in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
@@ -16,11 +31,23 @@ for _, job in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
     redis.call('ZREM', LEASES, job)
   else
     held[rec.p] = (held[rec.p] or 0) + 1
+    if rec.tn ~= nil then expect('r', rec) end
   end
 end
+local jobs = redis.call('HGETALL', JOBS)
+for i = 2, #jobs, 2 do
+  -- Only waiting flow-controlled jobs' records are decoded: a quote inside a JSON string is
+  -- escaped, so these can only be their fields, and without flow control this is a scan.
+  local raw = jobs[i]
+  if string.find(raw, '"tn":', 1, true) and string.find(raw, '"st":"q"', 1, true) then
+    local rec = cjson.decode(raw)
+    if rec.st == 'q' and rec.tn ~= nil then expect('q', rec) end
+  end
+end
+
 local fixed = {}
 for i, provider in ipairs(ARGV) do
-  local key = KEYS[4 + i]
+  local key = KEYS[5 + i]
   if redis.call('EXISTS', key) == 1 then
     local old = tonumber(redis.call('HGET', key, 'in_flight') or '0') or 0
     local new = held[provider] or 0
@@ -32,4 +59,29 @@ for i, provider in ipairs(ARGV) do
     end
   end
 end
-return fixed
+
+-- Counters no job backs go (an absent field reads as 0 everywhere); a counter already right
+-- is not written. Fields in order, so that the corrections come out the same every time.
+local counted = {}
+local have = redis.call('HGETALL', TENANTS)
+local fields = {}
+local current = {}
+for i = 1, #have, 2 do
+  fields[#fields + 1] = have[i]
+  current[have[i]] = have[i + 1]
+end
+for field in pairs(want) do
+  if current[field] == nil then fields[#fields + 1] = field end
+end
+table.sort(fields)
+for _, field in ipairs(fields) do
+  local old = tonumber(current[field] or '0') or -1  -- -1: not a number
+  local new = want[field] or 0
+  if old ~= new then
+    if new == 0 then redis.call('HDEL', TENANTS, field) else redis.call('HSET', TENANTS, field, new) end
+    counted[#counted + 1] = field
+    counted[#counted + 1] = old
+    counted[#counted + 1] = new
+  end
+end
+return {fixed, counted}

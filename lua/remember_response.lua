@@ -1,6 +1,8 @@
 -- remember_response: a provider made a stored Response; later calls on it (previous_response_id,
 -- GET/DELETE /v1/responses/{id}) must go to that provider. Also forgets, a bounded number per
 -- call, the ids whose time is up and the oldest beyond the cap, so memory stays bounded.
+-- Run for a create only (workers/stored_responses.py): the calls on a stored Response must
+-- neither pin again an id they deleted nor extend its time; a DELETE forgets its id.
 --
 -- KEYS[1] responses hash   response id -> "provider\tmodel\texpiry ms"
 -- KEYS[2] expiry zset      response id -> expiry ms

@@ -7,53 +7,56 @@
 -- KEYS[8]    the replica's job set (so the reaper can cancel a dead replica's jobs)
 -- KEYS[..]   plan keys of the group (from ARGV[2] on)
 -- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
--- ARGV[4]    job id            ARGV[5]  request body     ARGV[6]  model id
--- ARGV[7]    replica id        ARGV[8]  endpoint         ARGV[9]  stream flag (0/1)
--- ARGV[10]   queue timeout ms  ARGV[11] max_queue
--- ARGV[12]   lane name ('' for the lane of all the model's providers)
--- ARGV[13]   '1': the job must go to the lane's one provider (its state is there), so it is
---            refused at once when that provider cannot take work
--- ARGV[14..16] with flow control (a plan with tenants, see lib/pump.lua): the tenant, its
---            weight, and its max_queued (0: none); the job id is '<tenant>~<id>'
--- Returns {status, queue length, deadline ms, now ms}; status is
+-- ARGV[4]    options, JSON (dispatcher/wire.py SubmitOptions):
+--              job, model, replica, endpoint, stream (0/1), lane ('' for the lane of all the
+--              model's providers), timeout_ms (queue), max_queue,
+--              pinned: the job must go to the lane's one provider (its state is there), so
+--                it is refused at once when that provider cannot take work,
+--              with flow control (a plan with tenants, see lib/pump.lua): tenant, weight,
+--                max_queued (0: none); the job id is '<tenant>~<id>'
+-- ARGV[5]    request body
+-- Returns {status, queue length, deadline ms, now ms[, why]}; status is
 --   'dispatched' | 'queued' | 'full' (refused: max_queue jobs already wait) | 'duplicate'
 --   | 'unavailable' (pinned, and the provider is down) | 'tenant_full' (its tenant has
---   max_queued jobs waiting)
+--   max_queued jobs waiting) | 'no_provider' (none of the lane's providers can take work,
+--   and the lane holds nothing: plan field h, hold_when_unavailable_ms, is 0); why: each provider's reason, for the two refusals
 --!include lib/jobs.lua
 --!include lib/pump.lua
 
 local SEQ, QUEUE, REPLICA_JOBS = KEYS[6], KEYS[7], KEYS[8]
-local job, body, model, replica = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local timeout_ms, max_queue = tonumber(ARGV[10]), tonumber(ARGV[11])
+local opts = cjson.decode(ARGV[4])
+local job, body, model, replica = opts.job, ARGV[5], opts.model, opts.replica
+local timeout_ms, max_queue = opts.timeout_ms, opts.max_queue
 
 if redis.call('HEXISTS', JOBS, job) == 1 then
   return {'duplicate', 0, 0, 0}
 end
 
 local now = now_ms()
-if ARGV[13] == '1' then
-  local c = GROUPS[1].c[1]
-  if c == nil or not provider_ok(KEYS[tonumber(ARGV[2]) + c[3]], now) then
-    return {'unavailable', 0, 0, now}
+if opts.pinned then
+  local why = unavailable_lane(GROUPS[1], now)
+  if why ~= nil then
+    return {'unavailable', 0, 0, now, why}
   end
 end
 local tenant, score, ftag, old_f
 if FAIR ~= nil then
-  tenant = ARGV[14]
-  local max_queued = tonumber(ARGV[16])
+  tenant = opts.tenant
+  local max_queued = opts.max_queued
   if max_queued > 0 and (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant) or '0') or 0) >= max_queued then
     return {'tenant_full', 0, 0, now}
   end
-  -- Start-time fair queuing (lib/pump.lua): the tag, and where the tenant's next one starts.
-  -- A tenant with nothing waiting starts again from V: requests of its that left unserved
-  -- (cancelled, timed out) are not charged to it. (Its last served tag is at most V, so its
-  -- order is kept.)
-  local weight = tonumber(ARGV[15])
-  ftag = QUEUE .. '\t' .. tenant
+  -- Start-time fair queuing (lib/pump.lua): the tag, and where the tenant's next one starts,
+  -- on its band's clock. A tenant with nothing waiting (anywhere: F is the tenant's across
+  -- lanes, and so is this count) starts again from V: requests of its that left unserved
+  -- (cancelled, timed out) are not charged to it. (Its last served tag is at most V, so
+  -- its order is kept.)
+  local weight = opts.weight
+  ftag = tenant
   old_f = redis.call('HGET', FAIR.f, ftag)
-  local v = tonumber(redis.call('HGET', FAIR.v, QUEUE) or '0') or 0
+  local v = tonumber(redis.call('HGET', FAIR.v, 'band:' .. GROUPS[1].b) or '0') or 0
   local f = tonumber(old_f or '0') or 0
-  if (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant .. ':' .. model) or '0') or 0) == 0 then
+  if (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant) or '0') or 0) == 0 then
     f = math.min(f, v + 1 / weight)
   end
   score = math.max(v, f)
@@ -63,8 +66,8 @@ local seq = redis.call('INCR', SEQ)
 local deadline = now + timeout_ms
 local rec = {
   m = model, rep = replica, st = 'q', seq = seq, d = deadline, to = timeout_ms,
-  t0 = now, a = 1, ep = ARGV[8], s = tonumber(ARGV[9]), ln = ARGV[12] ~= '' and ARGV[12] or nil,
-  tn = tenant, sc = score,
+  t0 = now, a = 1, ep = opts.endpoint, s = opts.stream, ln = opts.lane ~= '' and opts.lane or nil,
+  tn = tenant, sc = score, pin = opts.pinned and GROUPS[1].c[1][1] or nil,
 }
 put_record(job, rec)
 count(rec, 'q', 1)
@@ -76,8 +79,22 @@ redis.call('SADD', REPLICA_JOBS, job)
 pump(now)
 
 local waiting = redis.call('ZCARD', QUEUE)
-if redis.call('ZSCORE', QUEUE, job) then
+local in_queue = redis.call('ZSCORE', QUEUE, job)
+if not in_queue and FAIR ~= nil and PLAN.cap and (get_record(job) or {}).st == 'q' then
+  -- Parked by that pump (its tenant at its max_in_flight: lib/pump.lua park_job): it waits
+  -- too, with its deadline.
+  return {'queued', waiting, deadline, now}
+end
+if in_queue then
+  -- Not taken: it may wait only if it fits, and only for a provider that can take work.
+  local status, why = nil, nil
   if waiting > max_queue then
+    status = 'full'
+  else
+    why = unavailable_lane(GROUPS[1], now)
+    if why ~= nil and GROUPS[1].h == 0 then status = 'no_provider' end
+  end
+  if status ~= nil then
     redis.call('ZREM', QUEUE, job)
     count(rec, 'q', -1)
     if ftag ~= nil then
@@ -85,7 +102,13 @@ if redis.call('ZSCORE', QUEUE, job) then
       if old_f then redis.call('HSET', FAIR.f, ftag, old_f) else redis.call('HDEL', FAIR.f, ftag) end
     end
     drop_job(job, REPLICA_JOBS)
-    return {'full', waiting - 1, deadline, now}
+    return {status, waiting - 1, deadline, now, why}
+  end
+  if why ~= nil then
+    -- Held through a restart (the lane's hold_when_unavailable_ms): refused once the hold
+    -- is over and still no provider is up (lib/pump.lua refuse_unavailable).
+    rec.hu = now + GROUPS[1].h
+    put_record(job, rec)
   end
   return {'queued', waiting, deadline, now}
 end

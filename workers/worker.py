@@ -79,7 +79,7 @@ from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
 from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import HttpSession, new_session, session_size
 from workers.sink import JobAborted, RedisSink
-from workers.stored_responses import RememberingSink
+from workers.stored_responses import stored_response_sink
 from workers.usage import ASKABLE, completion_tokens
 
 log = logging.getLogger("iop.worker")
@@ -255,7 +255,11 @@ class Worker:
             for pid in removed:
                 try:
                     # The running config's plans: the new ones no longer know the provider.
-                    await self.side.heartbeat(pid, "unavailable", [("reason", "removed from the config")])
+                    # "removed": not down for a lane's sake (lib/pump.lua unavailable_reason):
+                    # processes not yet reloaded keep sending its lanes' jobs, which the
+                    # providers that now serve those keys take.
+                    await self.side.heartbeat(pid, "unavailable", [("reason", "removed from the config"),
+                                                                   ("removed", 1)])
                 except RedisError as exc:
                     log.warning("reload: could not mark %s removed (its heartbeat expires instead): %s", pid, exc)
         log.info("reload: %s applied (%s)", self.config_path, describe_changes(self.config, new))
@@ -465,10 +469,11 @@ class Worker:
             try:
                 # No local limiter: the slot accounting in Redis already bounds every worker
                 # of the node together, which a per-process one could not.
+                request = unwrap(job.body)
                 out: Sink = sink
                 if job.endpoint == RESPONSES:
-                    out = RememberingSink(sink, lambda rid: self.side.remember_response(rid, job))
-                request = unwrap(job.body)
+                    out = stored_response_sink(sink, request, lambda rid: self.side.remember_response(rid, job),
+                                               self.side.forget_response)
                 with tracing.provider_span(job, self.node.id, request.traceparent, sink):
                     await adapter.call(provider_call(job, request, adapter.provider.asks_stream_usage), out)
                 self._answered(job.provider)
@@ -717,6 +722,7 @@ class Worker:
             ("endpoints", json.dumps(provider.served_endpoints)),
             ("slots", result.slots if result.slots is not None else ""),
             ("worker", self.worker_id),
+            ("removed", ""),  # in the config again, if a reload had removed it
         ]
         await self.side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)
 

@@ -106,6 +106,10 @@ class ApiConfig(_Base, frozen=True):
 class QueueConfig(_Base, frozen=True):
     max_queue: int = 100
     queue_timeout_ms: int = 30_000
+    # 0: a request none of whose providers can take work is answered 503
+    # no_provider_available at once (and so are waiting ones when the last goes down); N:
+    # it waits up to N ms for one to come back (a provider restarting) before that answer.
+    hold_when_unavailable_ms: int = 0
 
 
 # busy_probe_interval_ms unset: this many probe intervals.
@@ -156,6 +160,7 @@ class ModelConfig(_Base, frozen=True):
     display_name: str | None = None
     max_queue: int | None = None
     queue_timeout_ms: int | None = None
+    hold_when_unavailable_ms: int | None = None
 
 
 class ProviderConfig(_Base, frozen=True):
@@ -258,6 +263,11 @@ class Config(_Base, frozen=True):
 
     def queue_timeout_ms(self, model: ModelConfig) -> int:
         return self.queue.queue_timeout_ms if model.queue_timeout_ms is None else model.queue_timeout_ms
+
+    def hold_when_unavailable_ms(self, model: ModelConfig) -> int:
+        if model.hold_when_unavailable_ms is None:
+            return self.queue.hold_when_unavailable_ms
+        return model.hold_when_unavailable_ms
 
 
 def host_port(text: str) -> tuple[str, int]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from fnmatch import fnmatchcase
 from urllib.parse import urlsplit
@@ -38,6 +39,7 @@ def validate(config: Config) -> list[ConfigProblem]:
     for ni, node in enumerate(config.nodes):
         if not node.id:
             bad(f"$.nodes[{ni}].id", "must not be empty")
+        problems.extend(_id_problems(f"$.nodes[{ni}].id", "node id", node.id))
         for pi, prov in enumerate(node.providers):
             path = f"$.nodes[{ni}].providers[{pi}]"
             if prov.id in providers:
@@ -51,6 +53,7 @@ def validate(config: Config) -> list[ConfigProblem]:
         path = f"$.models[{mi}]"
         if not model.id:
             bad(f"{path}.id", "must not be empty")
+        problems.extend(_id_problems(f"{path}.id", "model id", model.id))
         if not model.providers:
             bad(f"{path}.providers", "a model needs at least one provider")
         for pid, served in model.providers.items():
@@ -66,11 +69,15 @@ def validate(config: Config) -> list[ConfigProblem]:
             bad(f"{path}.max_queue", f"must be >= 0, got {model.max_queue}")
         if model.queue_timeout_ms is not None and model.queue_timeout_ms <= 0:
             bad(f"{path}.queue_timeout_ms", f"must be > 0, got {model.queue_timeout_ms}")
+        if model.hold_when_unavailable_ms is not None and model.hold_when_unavailable_ms < 0:
+            bad(f"{path}.hold_when_unavailable_ms", f"must be >= 0, got {model.hold_when_unavailable_ms}")
 
     if config.queue.max_queue < 0:
         bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
     if config.queue.queue_timeout_ms <= 0:
         bad("$.queue.queue_timeout_ms", f"must be > 0, got {config.queue.queue_timeout_ms}")
+    if config.queue.hold_when_unavailable_ms < 0:
+        bad("$.queue.hold_when_unavailable_ms", f"must be >= 0, got {config.queue.hold_when_unavailable_ms}")
     for name in ("max_body_bytes", "max_header_bytes", "header_timeout_s", "body_timeout_s", "max_streams"):
         if getattr(config.api, name) <= 0:
             bad(f"$.api.{name}", f"must be > 0, got {getattr(config.api, name)}")
@@ -144,6 +151,10 @@ def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
     api = config.api
     for path, name in _duplicates((f"$.api.priorities[{i}]", b) for i, b in enumerate(api.priorities)):
         yield ConfigProblem(path, f"duplicate priority band {name!r}")
+    for i, band in enumerate(api.priorities):
+        yield from _id_problems(f"$.api.priorities[{i}]", "band name", band)
+    if not api.priorities:
+        yield from _id_problems("$.api.default_priority", "band name", api.default_priority)
     if api.priorities and api.default_priority not in api.priorities:
         yield ConfigProblem("$.api.default_priority",
                             f"{api.default_priority!r} is not one of api.priorities {api.priorities}")
@@ -152,7 +163,9 @@ def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
     for ki, key in enumerate(api.keys):
         path = f"$.api.keys[{ki}]"
         if not _TENANT_NAME.fullmatch(key.name):
-            yield ConfigProblem(f"{path}.name", f"{key.name!r}: use letters, digits, '.', '_' and '-'")
+            why = next((f"{sep!r} is not allowed in a tenant name: {reason}; "
+                        for sep, reason in _SEPARATORS["tenant name"].items() if sep in key.name), "")
+            yield ConfigProblem(f"{path}.name", f"{key.name!r}: {why}use letters, digits, '.', '_' and '-'")
         if (key.key_env is None) == (key.key_sha256 is None):
             yield ConfigProblem(path, "give exactly one of key_env (an env var holding the key) and key_sha256")
         if key.key_env is not None and not _ENV_NAME.fullmatch(key.key_env):
@@ -175,6 +188,7 @@ def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
 def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProblem]:
     if not prov.id:
         yield ConfigProblem(f"{path}.id", "must not be empty")
+    yield from _id_problems(f"{path}.id", "provider id", prov.id)
     if prov.type not in PROVIDER_TYPES:
         yield ConfigProblem(f"{path}.type", f"unknown type {prov.type!r}; expected one of {list(PROVIDER_TYPES)}")
     if prov.category is not None and prov.category not in CATEGORIES:
@@ -204,6 +218,57 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         yield ConfigProblem(f"{path}.stream_usage", "a cli provider reports no token usage")
     for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
         yield ConfigProblem(path_, f"duplicate served name {name!r}")
+
+
+# The characters that join ids into Redis keys and fields (dispatcher/keys.py): an id that
+# held one could make the same key as other ids (model 'x|y', and model 'x' in its lane of
+# provider 'y', would share the queue {iop}:q:x|y). Only where a collision is possible: a
+# model id may hold ',' and ':' (ollama's 'qwen3:8b'), a band name any of them, since it
+# ends its key. The tab that joins finish tags ({iop}:ft <queue key>\t<tenant>) and stored
+# Responses' records is a control character, which no id may hold (_INTACT). Tenant names
+# are held to _TENANT_NAME, which leaves all of these out; a name that holds one is told why.
+_SEPARATORS: dict[str, dict[str, str]] = {
+    "model id": {
+        "|": "it separates the model from its lane in queue keys ({iop}:q:<model>|<providers>)",
+        "#": "it separates the model from its priority band in queue keys ({iop}:q:<model>#<band>)",
+    },
+    "provider id": {
+        ",": "it separates the providers of a lane in queue keys ({iop}:q:<model>|<provider>,<provider>)",
+        "#": "it separates a lane from its priority band in queue keys ({iop}:q:<model>|<providers>#<band>)",
+    },
+    "tenant name": {
+        "~": "it separates the tenant from the request in a flow-controlled job id (<tenant>~<id>)",
+        ":": "it separates the tenant from the model in its counters ({iop}:tenants q:<tenant>:<model>)",
+    },
+}
+# Why an id may hold no control character, and no whitespace at either end: where it travels
+# that would not carry it intact (HTTP header values and multipart fields are read stripped).
+_INTACT: dict[str, tuple[str, str]] = {
+    "model id": ("a tab would split its stored Responses' record ({iop}:responses: provider, model, expiry), "
+                 "and the others garble log lines",
+                 "a multipart request's model field is read stripped, so the id could not be asked for there"),
+    "provider id": ("it is sent in the x-iop-provider header, which cannot carry them, and a tab would split its "
+                    "stored Responses' record ({iop}:responses: provider, model, expiry)",
+                    "it is sent in the x-iop-provider header, which drops it"),
+    "node id": ("it is sent in the x-iop-node header, which cannot carry them",
+                "it is sent in the x-iop-node header, which drops it"),
+    "band name": ("a request names its band in the x-iop-priority header, which cannot carry them",
+                  "a request names its band in the x-iop-priority header, which drops it"),
+}
+
+
+def _id_problems(path: str, what: str, value: str) -> Iterator[ConfigProblem]:
+    """``value`` as a ``what`` (a key of _INTACT): the characters it must not hold, each with why."""
+    for sep, why in _SEPARATORS.get(what, {}).items():
+        if sep in value:
+            yield ConfigProblem(path, f"{value!r}: {sep!r} is not allowed in a {what}: {why}")
+    control = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+    if control is not None:
+        yield ConfigProblem(path, f"{value!r}: control characters ({control!r}) are not allowed in a {what}: "
+                                  f"{_INTACT[what][0]}")
+    elif value != value.strip():
+        yield ConfigProblem(path, f"{value!r}: leading or trailing whitespace is not allowed in a {what}: "
+                                  f"{_INTACT[what][1]}")
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -3,23 +3,27 @@
 --
 -- A script that includes this file takes, besides KEYS[1..4] of lib/jobs.lua:
 --   KEYS[5] fence counter  one INCR per dispatch (floored at 10 x server ms): the fencing token
---   ARGV[1] plan: JSON list of lanes {"m": model, "l": lane, "q": qkey, "c": [[provider, served, pkey, nkey, node], ...]}
+--   ARGV[1] plan: JSON list of lanes {"m": model, "l": lane, "q": qkey, "c": [[provider, served, pkey, nkey, node,
+--           endpoints], ...], "h": hold_when_unavailable_ms of the model}, endpoints: ',a,b,' the ones it serves
 --           where qkey/pkey/nkey are key positions relative to ARGV[2]; or, with flow control
 --           (tenants, bands), {"g": [lane, ...], "t": tkey, "lim": lkey, "v": vkey, "f": fkey, "cap": bool}
 --           where each lane also has "b", its band's rank (0 first), and
 --             tkey  tenants hash: q:<tenant>[:<model>] waiting, r:<tenant>[:<model>] running
 --             lkey  tenant limits hash: <tenant> -> max_in_flight
---             vkey  virtual time hash: lane queue key -> the tag of its last dispatch
---             fkey  finish tag hash: lane queue key \t tenant -> where its next job's tag starts
+--             vkey  virtual time hash: 'band:<rank>' -> the tag of the band's last dispatch
+--             fkey  finish tag hash: tenant -> where its next job's tag starts
 --             cap   some tenant has a max_in_flight (else no job's tenant is looked at)
+--             pk    the prefix of a tenant's parked-jobs key (park_job)
 --   ARGV[2] offset of the plan's keys in KEYS
 --   ARGV[3] lease ms given to a fresh dispatch
 --
--- Flow control is start-time fair queuing per lane queue: a job's score is its tag,
--- max(V, F[tenant]), and F[tenant] moves on by 1/weight; V is the tag of the lane's last
--- dispatch. Backlogged tenants get slots in proportion to their weights, a tenant's own
--- jobs stay FIFO, and a newcomer's tag is V: it waits behind at most one round, not behind
--- a flood. Without flow control the score is the global submit sequence (plain FIFO).
+-- Flow control is start-time fair queuing per band: a job's score is its tag,
+-- max(V, F[tenant]), and F[tenant] moves on by 1/weight; V is the tag of the band's last
+-- dispatch, one clock for every lane of the band, so heads of different lanes (models,
+-- endpoints) compare by their tags and weights hold across them. Backlogged tenants get
+-- slots in proportion to their weights, a tenant's own jobs stay FIFO, and a newcomer's tag
+-- is V: it waits behind at most one round, not behind a flood. Without flow control the
+-- score is the global submit sequence (plain FIFO).
 
 local FENCE = KEYS[5]
 local PLAN = cjson.decode(ARGV[1])
@@ -28,11 +32,14 @@ local FAIR = nil
 if PLAN.g ~= nil then
   local b = tonumber(ARGV[2])
   GROUPS = PLAN.g
-  FAIR = {lim = KEYS[b + PLAN.lim], v = KEYS[b + PLAN.v], f = KEYS[b + PLAN.f]}
+  FAIR = {lim = KEYS[b + PLAN.lim], v = KEYS[b + PLAN.v], f = KEYS[b + PLAN.f], park = PLAN.pk}
   TENANTS = KEYS[b + PLAN.t]
 end
--- Waiting jobs of a lane looked at for one whose tenant is under its max_in_flight.
-local SCAN = 64
+-- Jobs one call parks at most (the rest at the next call): bounds a call's length when a
+-- capped tenant's flood reaches the head of a lane.
+local PARK_BUDGET = 256
+-- Jobs of a lane one call passes over because only busy providers may run them.
+local BLOCKED_SKIPS = 16
 
 -- A number as Redis should store it: every digit a double has.
 local function num(x)
@@ -51,6 +58,147 @@ local function provider_ok(pkey, now)
     and (v[4] or '') == ''
 end
 
+-- Parking (flow control): a tenant at its max_in_flight cannot run the jobs it has waiting,
+-- so they leave their lane for the tenant's parked set (key: FAIR.park .. tenant, in the
+-- {iop} slot like every key), score their tag, each record noting its lane (rec.pq). Jobs
+-- behind them run; no look-ahead limit leaves capacity idle. When the tenant's running
+-- jobs drop below its limit (finish, reap_lease: unpark), its earliest parked jobs go back
+-- to their lanes with their tags, ahead of what came since, and the pump that follows
+-- dispatches them. A parked job keeps its record, deadline and counters; one cancelled or
+-- expired meanwhile is dropped when it is unparked.
+local function park_job(qkey, job, tag)
+  local t = tenant_of(job)
+  redis.call('ZREM', qkey, job)
+  redis.call('ZADD', FAIR.park .. t, string.format('%.17g', tag), job)
+  local rec = get_record(job)
+  if rec then
+    rec.pq = qkey
+    put_record(job, rec)
+  end
+end
+
+-- Bring back up to `n` of tenant `t`'s earliest parked jobs (see park_job).
+local function unpark(t, n)
+  local key = FAIR.park .. t
+  while n > 0 do
+    local h = redis.call('ZPOPMIN', key)
+    if #h == 0 then return end
+    local rec = get_record(h[1])
+    if rec and rec.st == 'q' and rec.pq then
+      redis.call('ZADD', rec.pq, h[2], h[1])
+      rec.pq = nil
+      put_record(h[1], rec)
+      n = n - 1
+    end
+  end
+end
+
+-- A job of record `rec` gave its slot back: if that takes its tenant under its
+-- max_in_flight, its parked jobs come back (before the pump that follows).
+local function released(rec)
+  if FAIR == nil or not PLAN.cap or rec.tn == nil then return end
+  local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tn) or '')
+  if lim == nil then return end
+  local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0
+  if run < lim then unpark(rec.tn, lim - run) end
+end
+
+-- Why a provider cannot take work now, in words ('' when it can; nil when it cannot but may
+-- be about to: see below): the reasons of dispatcher/catalog.py's classify, and the drain
+-- mark. A provider whose worker is silent (never heard of, or a heartbeat past its TTL)
+-- counts as down only when `silent_is_down`: a reaper round says so, which knows whether
+-- Redis itself was away (no heartbeat could land then); a submit or a heartbeat does not.
+local function unavailable_reason(pkey, now, silent_is_down)
+  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed')
+  -- A reload removed it: processes not yet reloaded may still name it as a lane's only
+  -- provider, while in the new config other providers serve that key (or reaper rounds
+  -- move its jobs there). Not a reason to refuse.
+  if (v[7] or '') ~= '' then return nil end
+  if not v[5] then
+    return silent_is_down and 'never seen: no heartbeat from its worker yet' or nil
+  end
+  if (tonumber(v[2]) or 0) < now then
+    if not silent_is_down then return nil end
+    return string.format('stale heartbeat: last one %.1fs ago', (now - (tonumber(v[5]) or 0)) / 1000)
+  end
+  if v[1] ~= 'available' then return (v[6] and v[6] ~= '') and v[6] or 'reported unavailable' end
+  if (v[4] or '') ~= '' then return 'drained by an operator' end
+  if (tonumber(v[3]) or 0) <= 0 then return 'capacity 0' end
+  return ''
+end
+
+-- nil when some provider of lane `g` can take work (or may be about to: unavailable_reason);
+-- otherwise each one's reason, in words.
+local function unavailable_lane(g, now, silent_is_down)
+  local base = tonumber(ARGV[2])
+  local why = {}
+  for _, c in ipairs(g.c) do
+    local r = unavailable_reason(KEYS[base + c[3]], now, silent_is_down)
+    if r == nil or r == '' then return nil end
+    why[#why + 1] = c[1] .. ': ' .. r
+  end
+  if #why == 0 then return 'none of its providers is in the config' end
+  return table.concat(why, '; ')
+end
+
+-- Answer at once, 503, the jobs waiting in lane `g` when none of its providers can take
+-- work (down, drained, unheard-of), rather than at their queue deadline: a caller learns
+-- that the server is down in one round trip. A lane that holds jobs through a provider
+-- restart (g.h, the model's hold_when_unavailable_ms) refuses a job only g.h ms after it
+-- was first seen with no provider (rec.hu). `refusal`: {reply, replica_jobs}
+-- key prefixes (the job's replica completes them: every key shares the {iop} slot),
+-- ttl_ms of a reply stream, limit of jobs refused per call, silent_is_down (see
+-- unavailable_reason). Returns the number refused.
+local function refuse_unavailable(g, now, refusal)
+  local qkey = KEYS[tonumber(ARGV[2]) + g.q]
+  if redis.call('ZCARD', qkey) == 0 then return 0 end
+  local why = unavailable_lane(g, now, refusal.silent_is_down)
+  if why == nil then return 0 end
+  local refused = 0
+  for _, job in ipairs(redis.call('ZRANGE', qkey, 0, refusal.limit - 1)) do
+    local rec = get_record(job)
+    if rec == nil then
+      redis.call('ZREM', qkey, job)
+    elseif rec.hu == nil and g.h > 0 then
+      -- Its hold starts when it is first seen with no provider.
+      rec.hu = now + g.h
+      put_record(job, rec)
+    elseif (rec.hu or 0) <= now then
+      redis.call('ZREM', qkey, job)
+      count(rec, 'q', -1)
+      local event
+      if rec.pin then
+        event = cmsgpack.pack({'failed', 503, 'response_provider_unavailable',
+          'The provider holding this response is unavailable (' .. why .. '); retry later'})
+      else
+        event = cmsgpack.pack({'failed', 503, 'no_provider_available',
+          "No provider of '" .. rec.m .. "' is available (" .. why .. '); retry later'})
+      end
+      local reply = refusal.reply .. rec.rep
+      redis.call('XADD', reply, '*', 'j', job, 'e', event)
+      redis.call('PEXPIRE', reply, refusal.ttl_ms)
+      drop_job(job, refusal.replica_jobs .. rec.rep)
+      refused = refused + 1
+    end
+  end
+  return refused
+end
+
+-- refuse_unavailable over every lane of the plan.
+local function refuse_plan(now, refusal)
+  local refused = 0
+  for _, g in ipairs(GROUPS) do refused = refused + refuse_unavailable(g, now, refusal) end
+  return refused
+end
+
+-- May candidate `c` run the job of record `rec`: does it serve the job's endpoint, and is it
+-- the provider the job is pinned to, if any? Checked at dispatch whatever the lane: after a
+-- reload a lane's key may stand for other providers than when the job was queued.
+local function serves(c, rec)
+  if rec.pin ~= nil and rec.pin ~= c[1] then return false end
+  return c[6] == nil or string.find(c[6], ',' .. rec.ep .. ',', 1, true) ~= nil
+end
+
 -- Is provider `pid` one the job must not go to again (it failed the job before)?
 local function excluded(rec, pid)
   if rec == nil or rec.x == nil then return false end
@@ -67,7 +215,7 @@ local function other_candidate(qkey, rec, now)
   for _, g in ipairs(GROUPS) do
     if KEYS[base + g.q] == qkey then
       for _, c in ipairs(g.c) do
-        if not excluded(rec, c[1]) and provider_ok(KEYS[base + c[3]], now) then return true end
+        if not excluded(rec, c[1]) and serves(c, rec) and provider_ok(KEYS[base + c[3]], now) then return true end
       end
     end
   end
@@ -99,12 +247,12 @@ local function pump(now)
   end
 
   -- Lowest in_flight/capacity, compared exactly as a*d < c*b; ties: lower in_flight, then provider id.
-  -- `rec`: only when the job excludes providers (a retry after a provider failed it).
+  -- `rec`: the job's record, when known: only candidates that may run it (serves, excluded).
   local function pick(g, rec)
     local best, bs
     for _, c in ipairs(g.c) do
       local s = state(KEYS[base + c[3]])
-      if s.ok and s.inf < s.cap and not excluded(rec, c[1]) then
+      if s.ok and s.inf < s.cap and (rec == nil or (serves(c, rec) and not excluded(rec, c[1]))) then
         if best == nil then
           best, bs = c, s
         else
@@ -135,10 +283,12 @@ local function pump(now)
     return true
   end
 
+  -- The lane's first waiting job past the `g.skip` ones this call found blocked.
   local function head(g)
     local qkey = KEYS[base + g.q]
+    local skip = g.skip or 0
     while true do
-      local h = redis.call('ZRANGE', qkey, 0, 0, 'WITHSCORES')
+      local h = redis.call('ZRANGE', qkey, skip, skip, 'WITHSCORES')
       if #h == 0 then return nil end
       local dl = tonumber(redis.call('ZSCORE', DEADLINES, h[1]))
       if dl == nil or dl > now then return h[1], tonumber(h[2]) end
@@ -162,9 +312,10 @@ local function pump(now)
     return s
   end
   local vtime = {}
-  local function vt(qkey)
-    if vtime[qkey] == nil then vtime[qkey] = tonumber(redis.call('HGET', FAIR.v, qkey) or '0') or 0 end
-    return vtime[qkey]
+  local function vt(g)
+    local band = 'band:' .. g.b
+    if vtime[band] == nil then vtime[band] = tonumber(redis.call('HGET', FAIR.v, band) or '0') or 0 end
+    return vtime[band], band
   end
 
   local function may_run(job)
@@ -174,22 +325,18 @@ local function pump(now)
   end
 
   -- The first waiting job of a lane (by tag) whose tenant may run one more, dropping
-  -- expired ones on the way. Only when the head's tenant is at its max_in_flight does it
-  -- look further (the lane's first SCAN jobs).
+  -- expired ones on the way. A head whose tenant is at its max_in_flight is parked
+  -- (park_job): the jobs behind it surface, however many of them are capped.
+  local park_budget = PARK_BUDGET
   local function fair_head(g)
     local qkey = KEYS[base + g.q]
-    local job, tag = head(g)
-    if job == nil or may_run(job) then return job, tag end
-    local h = redis.call('ZRANGE', qkey, 1, SCAN - 1, 'WITHSCORES')
-    for i = 1, #h, 2 do
-      local dl = tonumber(redis.call('ZSCORE', DEADLINES, h[i]))
-      if dl ~= nil and dl <= now then
-        expire(qkey, h[i])
-      elseif may_run(h[i]) then
-        return h[i], tonumber(h[i + 1])
-      end
+    while true do
+      local job, tag = head(g)
+      if job == nil or may_run(job) then return job, tag end
+      if park_budget == 0 then return nil end
+      park_budget = park_budget - 1
+      park_job(qkey, job, tag)
     end
-    return nil
   end
 
   local function dispatch(job, g, c)
@@ -200,8 +347,14 @@ local function pump(now)
       redis.call('ZREM', DEADLINES, job)
       return 'gone'
     end
-    if rec.x ~= nil and excluded(rec, c[1]) then
+    if not serves(c, rec) or excluded(rec, c[1]) then
       c = pick(g, rec)
+      if c == nil and rec.x ~= nil and not other_candidate(qkey, rec, now) then
+        -- Every provider it may still try is down: the ones that failed it are its only
+        -- chance left, rather than a head that waits for nobody.
+        rec.x = nil
+        c = pick(g, rec)
+      end
       if c == nil then return 'blocked' end
     end
     local pkey, nkey = KEYS[base + c[3]], KEYS[base + c[4]]
@@ -219,9 +372,10 @@ local function pump(now)
       count(rec, 'q', -1)
       count(rec, 'r', 1)
       if rec.tn then tenant(rec.tn).run = tenant(rec.tn).run + 1 end
-      if rec.sc and rec.sc > vt(qkey) then
-        vtime[qkey] = rec.sc
-        redis.call('HSET', FAIR.v, qkey, num(rec.sc))
+      local v, band = vt(g)
+      if rec.sc and rec.sc > v then
+        vtime[band] = rec.sc
+        redis.call('HSET', FAIR.v, band, num(rec.sc))
       end
     end
     redis.call('HINCRBY', pkey, 'in_flight', 1)
@@ -239,14 +393,12 @@ local function pump(now)
   local live = {}
   for i = 1, #groups do live[i] = true end
   local dispatched = 0
-  -- Which of two lane heads goes first: the higher band, then the one least ahead of its
-  -- lane's virtual time (weighted fairness across the lanes a provider serves), then the
-  -- lower tag, then the job id. Without flow control: the lower submit sequence.
+  -- Which of two lane heads goes first: the higher band, then the lower tag (one virtual
+  -- clock per band: weights hold across lanes), then the job id. Without flow control:
+  -- the lower submit sequence.
   local function before(g, job, score, bg, bjob, bscore)
     if FAIR == nil then return score < bscore end
     if g.b ~= bg.b then return g.b < bg.b end
-    local lag, blag = score - vt(KEYS[base + g.q]), bscore - vt(KEYS[base + bg.q])
-    if lag ~= blag then return lag < blag end
     if score ~= bscore then return score < bscore end
     return job < bjob
   end
@@ -270,7 +422,10 @@ local function pump(now)
     if outcome == 'ok' then
       dispatched = dispatched + 1
     elseif outcome == 'blocked' then
-      live[bi] = false
+      -- Only busy or failed providers may run it: it keeps its place, and the jobs behind
+      -- it go on (a few per lane and call, which bounds the call's cost).
+      bg.skip = (bg.skip or 0) + 1
+      if bg.skip > BLOCKED_SKIPS then live[bi] = false end
     end
   end
   return dispatched

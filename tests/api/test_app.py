@@ -22,7 +22,9 @@ def make_config(redis_url: str, **overrides: Any) -> cfg.Config:
     raw: dict[str, Any] = {
         "redis": {"url": redis_url},
         "api": {"max_body_bytes": 4096},
-        "queue": {"max_queue": 1, "queue_timeout_ms": 300},
+        # No worker runs here: requests wait for the provider (held) rather than being
+        # refused for want of one.
+        "queue": {"max_queue": 1, "queue_timeout_ms": 300, "hold_when_unavailable_ms": 60_000},
         "models": [
             {"id": "m", "display_name": "Model M", "providers": {"p": "served-m"}},
             {"id": "org/model:tag", "providers": {"p": "served-m"}, "max_queue": 0},
@@ -93,8 +95,24 @@ async def test_oversized_body_is_413(client: AsyncTestClient[Any], redis_client:
     assert await redis_client.hlen(keys.JOBS) == 0
 
 
+async def test_no_provider_up_is_503_at_once_with_the_reason(redis_server: RedisServer, redis_client: Redis) -> None:
+    # No worker runs; the provider's hash says what its worker last reported, and the queue
+    # holds nothing.
+    config = make_config(redis_server.url, queue={"max_queue": 1, "queue_timeout_ms": 60_000})
+    await redis_client.hset(keys.provider("p"), mapping={
+        "health": "unavailable", "reason": "GET /health answered 404", "hb_ms": 1, "hb_exp": 2**52, "capacity": 1})
+    async with AsyncTestClient(create_app(config)) as bare:
+        resp = await bare.post(CHAT, json={"model": "m", "messages": []})
+    assert resp.status_code == 503
+    err = error_of(resp)
+    assert err["code"] == "no_provider_available"
+    assert err["message"] == "No provider of 'm' is available (p: GET /health answered 404); retry later"
+    assert resp.headers["retry-after"] == "5"
+    assert await redis_client.hlen(keys.JOBS) == 0
+
+
 async def test_queue_deadline_is_503_with_retry_after(client: AsyncTestClient[Any], redis_client: Redis) -> None:
-    # No worker runs: the provider never heartbeats, so the job waits until its deadline.
+    # No worker runs: the provider never heartbeats, so the (held) job waits until its deadline.
     resp = await client.post(CHAT, json={"model": "m", "messages": []})
     assert resp.status_code == 503
     assert error_of(resp)["code"] == "queue_timeout"

@@ -374,7 +374,7 @@ class Scenario:
         # reconcile: an in_flight out of step with the leases is corrected.
         await h.set_in_flight("a", 1 - await h.in_flight("a"))
         self.note("reconcile", await self.reaper.reconcile())
-        assert self.outcomes[-1][1], "reconcile corrected nothing"
+        assert self.outcomes[-1][1].in_flight, "reconcile corrected nothing"
 
         # A provider that goes away, and comes back: its heartbeat pumps a waiting job.
         for job, a in (await self.running()).items():
@@ -390,6 +390,17 @@ class Scenario:
         # An operator drains c, then resumes it (which pumps its lanes).
         assert self.note("drain c", await h.calls.drain("c", "drain")).mark is not None
         assert self.note("resume c", await h.calls.drain("c", "resume")).mark is None
+
+        # A reload renamed a lane: a job waiting in the old key moves to its lane now.
+        for _ in range(8):
+            moved, status = await self.submit("m2")
+            if status == "queued":
+                break
+        assert status == "queued"
+        score = await self.redis.zscore(keys.queue("m2"), moved)
+        await self.redis.zrem(keys.queue("m2"), moved)
+        await self.redis.zadd(keys.queue("m2", "gone"), {moved: score})
+        assert self.note("rehome", await self.reaper.rehome()) == 1
 
         # A dead replica: the reaper cancels its jobs (waiting and running ones).
         extra, _ = await self.submit("m1")

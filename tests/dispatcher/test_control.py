@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import events, keys
 from dispatcher.catalog import read_catalog
 from dispatcher.control import Control, DrainState
 from dispatcher.exceptions import UnknownProvider
@@ -71,7 +71,8 @@ async def test_running_jobs_finish_and_a_freed_slot_elsewhere_skips_the_drained_
 
 
 async def test_resume_dispatches_waiting_jobs_at_once(drains: Any) -> None:
-    h = drains(lane_config({"a": None}, capacity=2))
+    # Held: without a hold, requests to a model whose one provider is drained are refused.
+    h = drains(lane_config({"a": None}, capacity=2, hold_ms=60_000))
     await h.up("a")
     await h.control.drain("a")
     main = h.calls.plans.main_lane("m")
@@ -87,7 +88,7 @@ async def test_resume_dispatches_waiting_jobs_at_once(drains: Any) -> None:
 
 
 async def test_a_heartbeat_keeps_the_mark(drains: Any) -> None:
-    h = drains(lane_config({"a": None}))
+    h = drains(lane_config({"a": None}, hold_ms=60_000))
     # Drained before its worker ever reported: the mark holds from the first heartbeat on.
     await h.control.drain("a")
     mark = await h.redis.hget(keys.provider("a"), "drain")
@@ -118,12 +119,14 @@ async def test_a_pinned_request_to_a_drained_provider_is_refused_like_a_down_one
     refused, status = await h.submit_to(pinned, pinned=True, endpoint="responses")
     assert status == "unavailable"
     assert await h.record(refused) is None
-    # The queued one keeps its place while b drains (a free a never takes it), and goes on resume.
+    # The queued one is answered at once too (never given to a free a), not at its deadline.
+    assert await h.record(queued) is None
+    assert await h.redis.zrange(pinned.queue, 0, -1) == []
+    (_, fields), = await h.redis.xrange(keys.reply("rep1"))
+    assert fields[b"j"] == queued.encode()
+    assert events.decode(fields[b"e"]).code == "response_provider_unavailable"  # type: ignore[union-attr]
     assert await h.done(running) == "released"
-    assert await h.running_on("b") == []
-    assert await h.redis.zrange(pinned.queue, 0, -1) == [queued.encode()]
-    await h.control.resume("b")
-    assert await h.running_on("b") == [queued]
+    assert await h.running_on("a") == []
 
 
 async def test_a_retry_does_not_count_a_drained_provider_as_another_candidate(drains: Any) -> None:

@@ -103,7 +103,8 @@ async def test_a_hold_of_zero_tries_once() -> None:
 def config_doc(**redis: Any) -> dict[str, Any]:
     return {
         "redis": redis,
-        "queue": {"queue_timeout_ms": QUEUE_TIMEOUT_MS},
+        # Held: these jobs wait with no provider up, as the tests of a restart need.
+        "queue": {"queue_timeout_ms": QUEUE_TIMEOUT_MS, "hold_when_unavailable_ms": 3_600_000},
         "models": [{"id": "m", "providers": {"p": "served"}}],
         "nodes": [{"id": "n1", "providers": [
             {"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": ["served"]}]}],

@@ -20,10 +20,14 @@ from tests.dispatcher.test_scripts import Harness
 pytestmark = pytest.mark.anyio
 
 
-def lane_config(endpoints: dict[str, list[str] | None], capacity: int = 1, max_attempts: int = 3) -> cfg.Config:
-    """Providers (id -> endpoints, None = the type's default) on node n1, all serving model m."""
+def lane_config(
+    endpoints: dict[str, list[str] | None], capacity: int = 1, max_attempts: int = 3, hold_ms: int = 0
+) -> cfg.Config:
+    """Providers (id -> endpoints, None = the type's default) on node n1, all serving model m;
+    ``hold_ms``: its queue.hold_when_unavailable_ms."""
     return cfg.parse({
         "dispatch": {"max_attempts": max_attempts},
+        "queue": {"hold_when_unavailable_ms": hold_ms},
         "nodes": [{"id": "n1", "providers": [
             {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": capacity,
              "models": [f"m@{pid}"], **({"endpoints": eps} if eps is not None else {})}
@@ -150,9 +154,9 @@ async def test_pinned_job_to_a_provider_that_is_down_is_refused_at_once(lanes: A
     job, status = await h.submit_to(h.calls.plans.pinned_lane("m", "b"), pinned=True, endpoint="responses")
     assert status == "unavailable"
     assert await h.record(job) is None
-    # Without the pin, the lane waits for a provider to come back (as every model group does).
+    # Without the pin, the same lane of one provider down is no provider at all.
     _, status = await h.submit_to(h.calls.plans.pinned_lane("m", "b"), pinned=False, endpoint="responses")
-    assert status == "queued"
+    assert status == "no_provider"
 
 
 async def test_a_failed_job_goes_to_another_provider_never_the_same(lanes: Any) -> None:
@@ -185,13 +189,32 @@ async def test_a_retry_waits_for_a_busy_other_provider_not_the_free_failed_one(l
     # Its provider is free now, but the job excludes it: it waits.
     assert await h.record(job) is not None
     assert (await h.record(job)).state == "q"
-    # A new job may use the freed provider; the retried head does not block it for long:
+    # A new job takes the freed provider at once: the retried head, which only the busy one
+    # may run, keeps its place but holds nobody behind it (issue 19, defect 3).
     newer, status = await h.submit_to(main)
-    assert status == "queued"  # FIFO: the retried job is older and heads the lane
+    assert status == "dispatched"
+    assert (await h.assignment(newer)).provider == failing
+    assert (await h.record(job)).state == "q"
     assert await h.done(other) == "released"
     assert (await h.assignment(job)).provider == busy
-    # The newer job then takes the provider the retried one excluded.
-    assert (await h.assignment(newer)).provider == failing
+
+
+async def test_a_retried_job_whose_other_providers_went_down_may_go_back(lanes: Any) -> None:
+    h = lanes(lane_config({"a": None, "b": None}))
+    await h.up("a")
+    await h.up("b")
+    main = h.calls.plans.main_lane("m")
+    job, _ = await h.submit_to(main)
+    other, _ = await h.submit_to(main)
+    failing = (await h.assignment(job)).provider
+    busy = (await h.assignment(other)).provider
+    assert await h.fail(job) == "requeued"
+    # The only provider it may still try goes down: rather than wait for nobody, it goes
+    # back to the one that failed it (its exclusions are dropped).
+    await h.up(busy, "unavailable")
+    await h.up(failing)
+    assert (await h.record(job)).state == "d"
+    assert (await h.assignment(job)).provider == failing
 
 
 async def test_no_retry_without_another_healthy_provider(lanes: Any) -> None:

@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 from dispatcher import events, keys
 from dispatcher.events import Failed, Meta, Requeued, Start
 from dispatcher.protocol import Abort, AbortReason, CancelReason, Correction
-from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper
+from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper, Reconciled
 from tests.dispatcher.test_scripts import Harness, make_config
 
 pytestmark = pytest.mark.anyio
@@ -36,7 +36,8 @@ async def reply_events(h: Harness) -> list[tuple[str, events.Event]]:
 
 @pytest.fixture
 def h(any_redis: Redis) -> Harness:
-    return Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
+    # Held: some jobs here wait with no provider up.
+    return Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=3_600_000))
 
 
 async def test_live_lease_is_left_alone(h: Harness) -> None:
@@ -166,10 +167,10 @@ async def test_reconcile_sets_in_flight_to_the_live_leases(h: Harness) -> None:
     await h.set_in_flight("a", 5)
     await h.redis.zadd(keys.LEASES, {"ghost-job": 10**15})  # a lease no record backs
     reaper = reaper_of(h)
-    assert await reaper.reconcile() == [Correction("a", 5, 1)]
+    assert await reaper.reconcile() == Reconciled([Correction("a", 5, 1)], [])
     assert await h.in_flight("a") == 1
     assert await h.redis.zscore(keys.LEASES, "ghost-job") is None
-    assert await reaper.reconcile() == []
+    assert await reaper.reconcile() == Reconciled([], [])
 
 
 # --- gaps in the fleet's view of Redis --------------------------------------------------------
@@ -228,5 +229,5 @@ async def test_a_new_server_refreshes_expiries_and_reconciles(h: Harness) -> Non
     assert stats.new_server
     assert stats.gap_ms == 0
     assert stats.leases == {}
-    assert stats.corrected == [Correction("a", 0, 1)]
+    assert stats.corrected == Reconciled([Correction("a", 0, 1)], [])
     assert await h.in_flight("a") == 1

@@ -60,6 +60,8 @@ def _need_redis_cli() -> None:
 def iop_config(redis: dict[str, Any]) -> cfg.Config:
     return cfg.parse({
         "redis": redis,
+        # No worker runs: a submit must wait, not be refused for want of a provider.
+        "queue": {"hold_when_unavailable_ms": 3_600_000},
         "models": [{"id": "m", "providers": {"p": "served-m"}}],
         "nodes": [{"id": "n", "providers": [
             {"id": "p", "type": "vllm", "base_url": "http://127.0.0.1:9", "models": ["served-m"]}]}],

@@ -172,11 +172,40 @@ async def test_capacity_zero_is_excluded(harness: Any) -> None:
     assert status == "queued"
 
 
-async def test_no_candidate_means_the_job_waits(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+async def test_no_provider_up_is_refused_at_once_with_each_reason(harness: Any) -> None:
+    h = harness(make_config({"a": 1, "b": 1}, {"m": ["a", "b"]}))
+    await h.node.heartbeat("a", "unavailable", [("reason", "GET /health answered 404")])
+    await h.up("b")
+    await h.calls.drain("b", "drain")
+    job = uuid.uuid4().hex
+    result = await h.api.submit(job, h.calls.plans.main_lane("m"), b"{}", "chat/completions", False)
+    assert result.status == "no_provider"
+    assert result.why == "a: GET /health answered 404; b: drained by an operator"
+    assert await h.record(job) is None
+    assert await h.queued("m") == []
+    assert await h.redis.scard(keys.replica_jobs("rep1")) == 0
+
+
+async def test_a_silent_provider_may_be_coming_back_a_submit_waits_for_it(harness: Any) -> None:
+    # Never heard of (its worker starting, or Redis lost its data), or a heartbeat past its
+    # TTL (Redis was away): the job waits; only a reaper round, which knows whether Redis
+    # was reachable meanwhile, judges such a provider down (tests/dispatcher/test_refuse.py).
+    h = harness(make_config({"a": 1, "b": 1}, {"m": ["a", "b"]}))
+    await h.node.heartbeat("b", "unavailable", [("reason", "down")])
     _, status = await h.submit("m")
     assert status == "queued"
+    await h.up("a")
+    await h.redis.hset(keys.provider("a"), "hb_exp", 1)
+    _, status = await h.submit("m")
+    assert status == "queued"
+
+
+async def test_a_model_that_holds_keeps_the_job_waiting_for_a_provider(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=60_000))
+    job, status = await h.submit("m")
+    assert status == "queued"
     assert await h.assignments() == []
+    assert await h.queued("m") == [job]
 
 
 # --- queueing ------------------------------------------------------------------------
@@ -238,7 +267,7 @@ async def test_expired_head_is_dropped_not_dispatched(harness: Any) -> None:
 
 
 async def test_timeout_before_the_deadline_says_wait(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}, queue_timeout_ms=60_000))
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, queue_timeout_ms=60_000, hold_when_unavailable_ms=60_000))
     job, _ = await h.submit("m")
     result = await h.api.cancel(job, keys.queue("m"), CancelReason.TIMEOUT)
     assert result.outcome == "wait"
@@ -290,7 +319,7 @@ async def test_release_serves_the_oldest_head_across_groups(harness: Any) -> Non
 
 
 async def test_heartbeat_of_a_recovered_provider_takes_waiting_jobs(harness: Any) -> None:
-    h = harness(make_config({"a": 2}, {"m": ["a"]}))
+    h = harness(make_config({"a": 2}, {"m": ["a"]}, hold_when_unavailable_ms=60_000))
     await h.up("a", "unavailable")
     j1, s1 = await h.submit("m")
     j2, s2 = await h.submit("m")
@@ -300,7 +329,7 @@ async def test_heartbeat_of_a_recovered_provider_takes_waiting_jobs(harness: Any
 
 
 async def test_duplicate_job_id_is_refused(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=60_000))
     job, _ = await h.submit("m")
     assert (await h.submit("m", job))[1] == "duplicate"
 
@@ -308,7 +337,7 @@ async def test_duplicate_job_id_is_refused(harness: Any) -> None:
 # --- cancel, emit, renew -------------------------------------------------------------
 
 async def test_cancel_of_a_waiting_job_removes_it(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=60_000))
     job, _ = await h.submit("m")
     assert (await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)).outcome == "removed"
     assert await h.queued("m") == []

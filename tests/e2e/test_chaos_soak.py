@@ -88,7 +88,10 @@ class Outcome:
 def configure(system: System) -> None:
     system.write_config({
         "dispatch": fast_dispatch(LEASE_MS, max_attempts=3),
-        "queue": {"max_queue": MAX_REQUESTS, "queue_timeout_ms": QUEUE_TIMEOUT_MS},
+        # Its faults take providers away and bring them back: requests wait for them rather
+        # than being answered no_provider_available while every provider is down.
+        "queue": {"max_queue": MAX_REQUESTS, "queue_timeout_ms": QUEUE_TIMEOUT_MS,
+                  "hold_when_unavailable_ms": QUEUE_TIMEOUT_MS},
         "models": [{"id": "m", "providers": {p: f"served-{p}" for p in NODES.values()}}],
         "nodes": [
             {"id": node, "providers": [http_provider(p, "vllm", system.port(p), CAPACITY, [f"served-{p}"],

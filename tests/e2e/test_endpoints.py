@@ -251,9 +251,10 @@ def test_stored_response_calls_go_to_the_provider_that_made_it(client: openai.Op
     deleted = client.responses.with_raw_response.delete(ids[1])
     assert deleted.headers["x-iop-provider"] == "p-r2"
     assert deleted.http_response.json() == {"id": ids[1], "object": "response", "deleted": True}
-    # The provider's own 404, now that it deleted it.
-    with pytest.raises(openai.NotFoundError):
+    # iop's own 404: the delete made it forget the id (the provider is not asked again).
+    with pytest.raises(openai.NotFoundError) as info:
         client.responses.retrieve(ids[1])
+    assert info.value.code == "response_not_found"
 
     assert r1.requests() == [], "the provider without the state saw some of the conversation"
     calls = [(r.get("method", "POST"), r["path"]) for r in r2.requests()]
@@ -262,12 +263,13 @@ def test_stored_response_calls_go_to_the_provider_that_made_it(client: openai.Op
         ("GET", f"/v1/responses/{previous}"),
         ("GET", f"/v1/responses/{previous}/input_items"),
         ("DELETE", f"/v1/responses/{ids[1]}"),
-        ("GET", f"/v1/responses/{ids[1]}"),
     ]
     assert [r["body"]["previous_response_id"] for r in r2.requests()[:4]] == ids[:4]
-    # iop noted every id, and which provider made it.
+    # iop noted every id, and which provider made it, but the deleted one.
     noted = {i: system.redis.hget(keys.RESPONSES, i) for i in [ids[0], *ids[2:]]}
     assert {v.split(b"\t")[0] if isinstance(v, bytes) else v for v in noted.values()} == {b"p-r2"}, noted
+    assert system.redis.hget(keys.RESPONSES, ids[1]) is None
+    assert system.redis.zscore(keys.RESPONSES_BY_EXPIRY, ids[1]) is None
 
 
 def test_unknown_response_id_is_404(client: openai.OpenAI, system: System) -> None:

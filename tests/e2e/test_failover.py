@@ -649,8 +649,9 @@ def test_a_stream_relayed_from_a_dispatch_the_failover_lost_is_not_spliced(
         system.write_config({
             "redis": topology.redis,
             "dispatch": DISPATCH,
-            # Beyond the scenario: the job still waits when the new master pumps it, ~5 s in.
-            "queue": {"max_queue": 100, "queue_timeout_ms": 10_000},
+            # Beyond the scenario: the job still waits when the new master pumps it, ~5 s in
+            # (held: its one provider looks unhealthy meanwhile).
+            "queue": {"max_queue": 100, "queue_timeout_ms": 10_000, "hold_when_unavailable_ms": 10_000},
             "models": [{"id": "m", "providers": {"p": "served"}}],
             "nodes": [{"id": "n1", "providers": [
                 http_provider("p", "vllm", system.port("f"), CAPACITY, ["served"], timeout_s=30)]}],

@@ -155,10 +155,10 @@ def test_worker_killed_on_json_request_with_no_other_worker_fails_cleanly(system
     request.join(timeout=60)
     resp = request.result
     assert isinstance(resp, httpx.Response), resp
-    # Its provider goes stale with its only worker: the retry waits for a slot that never
-    # comes back, then the queue deadline answers.
+    # Its provider goes stale with its only worker: the retry waits for it, and a reaper
+    # round then answers that no provider is up.
     assert resp.status_code in (502, 503), resp.text
-    assert resp.json()["error"]["code"] in ("worker_lost", "queue_timeout")
+    assert resp.json()["error"]["code"] in ("worker_lost", "no_provider_available")
     settled(system, "p")
 
 
@@ -396,8 +396,53 @@ def test_queued_jobs_survive_a_redis_restart_with_aof(tmp_path: Path) -> None:
 # --- 6. the provider fails its probe or dies -------------------------------------------------------
 
 
-def test_unhealthy_provider_is_excluded_then_takes_queued_jobs_when_back(system: System) -> None:
+def test_a_request_to_a_model_with_no_provider_up_is_answered_at_once(system: System) -> None:
     one_pool(system)
+    fake = system.fake("f", "--models", "served")
+    system.worker("n1")
+    system.api()
+    system.wait_available("p")
+    fake.control(healthy=False)
+    system.wait_until("provider marked unavailable", lambda: system.provider("p")["health"] == "unavailable",
+                      timeout=10)
+    started = time.monotonic()
+    resp = post(system)
+    # At once, not after queue_timeout_ms (30 s here); saying why, and when to come back.
+    assert time.monotonic() - started < 5
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "no_provider_available"
+    assert error["message"].startswith("No provider of 'm' is available (p: ")
+    assert "503" in error["message"]  # the probe's own words
+    assert resp.headers["retry-after"] == "5"
+    assert fake.stats()["total"] == 0
+    settled(system, "p")
+
+
+def test_a_waiting_request_is_answered_when_its_last_provider_goes_down(system: System) -> None:
+    one_pool(system)
+    fake = system.fake("f", "--models", "served")
+    system.worker("n1")
+    system.api()
+    system.wait_available("p")
+    fake.control(delay_ms=60_000)
+    running = Background(lambda: post(system))
+    running.start()
+    system.wait_until("job running", busy(fake))
+    waiting = Background(lambda: post(system))
+    waiting.start()
+    system.wait_until("job waiting", lambda: system.redis.zcard(keys.queue("m")) == 1)
+    fake.control(healthy=False)
+    waiting.join(timeout=20)
+    assert isinstance(waiting.result, httpx.Response)
+    assert waiting.result.status_code == 503
+    assert waiting.result.json()["error"]["code"] == "no_provider_available"
+    fake.control(delay_ms=0)
+    running.join(timeout=90)
+
+
+def test_a_model_that_holds_keeps_requests_until_its_provider_is_back(system: System) -> None:
+    one_pool(system, queue={"max_queue": 50, "queue_timeout_ms": 30_000, "hold_when_unavailable_ms": 20_000})
     fake = system.fake("f", "--models", "served")
     system.worker("n1")
     system.api()

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dispatcher import keys
 from tests.e2e.system import Planned, Proc, System, answer_problem, fast_dispatch, http_provider
 
 pytestmark = pytest.mark.timeout(180)
@@ -194,7 +195,10 @@ def test_a_removed_model_answers_404_and_its_waiting_requests_end(system: System
     for t in threads:
         t.start()
         time.sleep(0.05)
-    system.wait_until("one running, two waiting", lambda: system.in_flight("a") == 1)
+    # All three submitted before the reload (a slow client could otherwise arrive after it,
+    # and rightly get a 404).
+    system.wait_until("one running, two waiting",
+                      lambda: system.in_flight("a") == 1 and system.redis.zcard(keys.queue("gone")) == 2)
 
     system.write_config(config(system, {"a": 1}, {"m": ["a"]}, queue={"max_queue": 10, "queue_timeout_ms": 4000}))
     hang_up(worker, api)

@@ -43,7 +43,9 @@ def system(tmp_path: Path, redis_server: RedisServer) -> Iterator[System]:
         "dispatch": {"lease_ms": 1500, "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1000,
                      "probe_interval_ms": 300, "probe_timeout_ms": 500, "reap_interval_ms": 200,
                      "replica_ttl_ms": 1500, "drain_grace_s": 2, "max_attempts": 3},
-        "queue": {"max_queue": REQUESTS, "queue_timeout_ms": 30_000},
+        # Workers are killed and restarted on purpose: requests wait for them (a model that
+        # holds nothing answers no_provider_available while every provider is down).
+        "queue": {"max_queue": REQUESTS, "queue_timeout_ms": 30_000, "hold_when_unavailable_ms": 30_000},
         "models": [
             {"id": "pool", "providers": {p: f"served-{p}" for p in CAPACITY}},
             {"id": "solo", "providers": {"p3": "served-solo"}},

@@ -1,0 +1,115 @@
+"""Requests none of whose providers can take work are answered at once (``lib/pump.lua``
+refuse_unavailable: heartbeats, drains, ``lua/refuse.lua`` in reaper rounds), unless their
+model holds them (``hold_when_unavailable_ms``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from dispatcher import events, keys
+from dispatcher.control import Control
+from dispatcher.events import Failed
+from tests.dispatcher.test_lanes import LaneHarness, lane_config
+from tests.dispatcher.test_scripts import Harness, make_config
+
+pytestmark = pytest.mark.anyio
+
+
+async def answers(h: Harness) -> dict[str, Failed]:
+    """The Failed events in replica rep1's reply stream, by job."""
+    out: dict[str, Failed] = {}
+    for _, fields in await h.redis.xrange(keys.reply("rep1")):
+        event = events.decode(fields[b"e"])
+        if isinstance(event, Failed):
+            out[fields[b"j"].decode()] = event
+    return out
+
+
+@pytest.fixture
+def harness(any_redis: Redis) -> Any:
+    return lambda config: Harness(any_redis, config)
+
+
+async def test_waiting_jobs_are_answered_when_their_last_provider_goes_down(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    running, s1 = await h.submit("m")
+    waiting, s2 = await h.submit("m")
+    assert (s1, s2) == ("dispatched", "queued")
+    await h.node.heartbeat("a", "unavailable", [("reason", "GET /health answered 404")])
+    refused = (await answers(h))[waiting]
+    assert (refused.status, refused.code) == (503, "no_provider_available")
+    assert refused.message == "No provider of 'm' is available (a: GET /health answered 404); retry later"
+    assert await h.record(waiting) is None
+    assert await h.queued("m") == []
+    assert await h.redis.sismember(keys.replica_jobs("rep1"), waiting) == 0
+    # The running one is the worker's to finish.
+    assert (await h.record(running)).state == "d"
+
+
+async def test_a_lane_with_another_provider_up_keeps_its_jobs(harness: Any) -> None:
+    h = harness(make_config({"a": 1, "b": 1}, {"m": ["a", "b"]}))
+    await h.up("a")
+    await h.up("b")
+    await h.submit("m")
+    await h.submit("m")
+    waiting, status = await h.submit("m")
+    assert status == "queued"
+    await h.node.heartbeat("a", "unavailable", [("reason", "down")])
+    assert await answers(h) == {}
+    assert await h.queued("m") == [waiting]
+    assert await h.calls.refuse() == 0
+
+
+async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    await h.submit("m")
+    waiting, _ = await h.submit("m")
+    assert await h.calls.refuse() == 0
+    # Its worker died: no heartbeat says so, the last one only expires.
+    await h.redis.hset(keys.provider("a"), "hb_exp", 1)
+    assert await h.calls.refuse() == 1
+    refused = (await answers(h))[waiting]
+    assert refused.code == "no_provider_available"
+    assert "a: stale heartbeat: last one" in refused.message
+
+
+async def test_a_held_job_is_answered_only_after_the_hold(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=300))
+    early, status = await h.submit("m")
+    assert status == "queued"  # no provider, but the model holds
+    await h.up("a")  # it comes back in time: the held job goes
+    assert (await h.assignment(early)).provider == "a"
+    later, status = await h.submit("m")
+    assert status == "queued"  # a is busy
+    await h.node.heartbeat("a", "unavailable", [("reason", "restarting")])
+    # Its hold starts now: not refused yet.
+    assert await answers(h) == {}
+    assert await h.calls.refuse() == 0
+    await anyio.sleep(0.4)
+    assert await h.calls.refuse() == 1
+    assert (await answers(h))[later].code == "no_provider_available"
+
+
+async def test_draining_the_last_provider_answers_its_waiting_jobs(any_redis: Redis) -> None:
+    h = LaneHarness(any_redis, lane_config({"a": None, "b": None}))
+    control = Control(h.calls, any_redis)
+    await h.up("a")
+    await h.up("b")
+    main, pinned = h.calls.plans.main_lane("m"), h.calls.plans.pinned_lane("m", "b")
+    await h.submit_to(main)
+    await h.submit_to(main)
+    waiting, _ = await h.submit_to(main)
+    held, _ = await h.submit_to(pinned, pinned=True, endpoint="responses")
+    await control.drain("a")
+    assert await answers(h) == {}  # b still serves the lane
+    await control.drain("b")
+    got = await answers(h)
+    assert (got[waiting].code, got[held].code) == ("no_provider_available", "response_provider_unavailable")
+    assert "a: drained by an operator; b: drained by an operator" in got[waiting].message
+    assert "b: drained by an operator" in got[held].message
