@@ -34,7 +34,8 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:tenant:limits``  | hash   | tenant -> max_in_flight (written by the API from its config)   |
 | ``{iop}:vt``             | hash   | ``band:<rank>`` -> virtual time (tag of its last dispatch)     |
 | ``{iop}:ft``             | hash   | tenant -> start tag of the tenant's next job                   |
-| ``{iop}:park:<tenant>``  | zset   | a tenant at its max_in_flight: its parked jobs -> their tags   |
+| ``{iop}:park:<tenant>``  | set    | a tenant at its max_in_flight: the lanes it has parked jobs in |
+| ``…:park:<tenant>|<q>``  | zset   | its parked jobs of lane queue ``<q>`` -> their tags            |
 | ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
@@ -93,8 +94,14 @@ def node(node_id: str) -> str:
 
 
 def parked(tenant: str) -> str:
-    """A capped tenant's parked jobs (``lua/lib/pump.lua`` park_job): job id -> its tag."""
+    """The lanes a capped tenant has parked jobs in (``lua/lib/pump.lua`` park_job): a set of
+    queue keys."""
     return f"{PREFIX}:park:{tenant}"
+
+
+def parked_in(tenant: str, queue_key: str) -> str:
+    """A capped tenant's parked jobs of one lane: job id -> its tag."""
+    return f"{parked(tenant)}|{queue_key}"
 
 
 def reply(replica_id: str) -> str:

@@ -135,6 +135,13 @@ class Plans:
         # Every queue key some plan of this config pumps (dispatcher/reaper.py rehomes the rest).
         self.by_queue = {keys.queue(model, name): plan for (model, name), plan in self.by_lane.items()}
         self.everything = build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes], self.fair)
+        # The queue keys each provider's plan pumps (dispatcher/protocol.py: what a release
+        # did not pump).
+        self.provider_queues = {
+            prov.id: frozenset(ln.queue for lanes in self.lanes_by_model.values() for ln in lanes
+                               if prov.id in ln.providers)
+            for _, prov in config.providers()
+        }
         self.by_provider = {
             prov.id: build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes
                                     if prov.id in ln.providers], self.fair)

@@ -200,12 +200,25 @@ class ScriptCalls:
     ) -> FinishOutcome:
         """``tokens``: the completion tokens the job generated, for its provider's throughput."""
         ks, head = self._settle_args(job.provider, node, job.replica, keys.queue(job.model, job.lane))
-        outcome, _ = await self.scripts.finish(
+        outcome, _, *woken = await self.scripts.finish(
             ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
              mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens],
         )
+        await self._wake(job.provider, woken)
         return FinishOutcome(outcome.decode())
+
+    async def _wake(self, provider: str, woken: Sequence[bytes]) -> None:
+        """Pump the lanes a release brought parked jobs back to that ``provider``'s plan, which
+        the releasing script pumped, does not hold (``lua/wake.lua``). Rare: only a tenant at
+        its max_in_flight whose jobs wait in other providers' lanes."""
+        pumped = self.plans.provider_queues.get(provider, frozenset())
+        for raw in dict.fromkeys(woken):
+            queue = raw.decode()
+            plan = self.plans.by_queue.get(queue)
+            if queue not in pumped and plan is not None:
+                ks, head = plan.args(keys.PUMP_KEYS, self._lease_ms)
+                await self.scripts.wake(ks, head)
 
     async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
         args: list[Arg] = [self._lease_ms]
@@ -269,11 +282,12 @@ class ScriptCalls:
     async def reap_lease(self, job: str, rec: JobRecord, provider: str, node: str, lost_event: bytes) -> ReapOutcome:
         """``provider`` and ``node``: the record's, which a dispatched job always has."""
         ks, head = self._settle_args(provider, node, rec.replica, keys.queue(rec.model, rec.lane), keys.REAPER_SEEN)
-        outcome, _ = await self.scripts.reap_lease(
+        outcome, _, *woken = await self.scripts.reap_lease(
             ks,
             [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, lost_event, REPLY_KEEP_MS,
              self.config.dispatch.observation_gap_ms, events.REQUEUED],
         )
+        await self._wake(provider, woken)
         return ReapOutcome(outcome.decode())
 
     async def reconcile(self, provider_ids: list[str]) -> tuple[list[Correction], list[Correction]]:

@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response", "drain", "refuse", "rehome")
+         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -88,6 +88,7 @@ class Scripts:
         self.drain = Script(redis, fast, "drain")
         self.refuse = Script(redis, fast, "refuse")
         self.rehome = Script(redis, fast, "rehome")
+        self.wake = Script(redis, fast, "wake")
 
     def all(self) -> list[Script]:
         return [getattr(self, name) for name in NAMES]

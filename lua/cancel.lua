@@ -32,6 +32,9 @@ if rec.st == 'q' then
     return {'wait', rec.d - now}
   end
   redis.call('ZREM', QUEUE, job)
+  -- Moved by a reaper round since its submit (lua/rehome.lua): that queue holds it now (the
+  -- key is in the {iop} slot like every key).
+  if rec.qk and rec.qk ~= QUEUE then redis.call('ZREM', rec.qk, job) end
   count(rec, 'q', -1)
   drop_job(job, REPLICA_JOBS)
   return {'removed', 0}

@@ -23,7 +23,8 @@
 --            is released here, to the provider's token window (tok_t0 start ms of the
 --            current 10 s bucket, tok_cur its tokens, tok_prev the bucket before), which
 --            dispatcher/catalog.py turns into tokens per second
--- Returns {outcome, dispatched}; outcome 'released' | 'requeued' | 'failed' | 'dropped' | 'stale'
+-- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
+-- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
 --!include lib/pump.lua
 
@@ -38,7 +39,8 @@ local rec = get_record(job)
 if not owned(rec, ARGV[5]) then
   return {'stale', 0}
 end
-if release_slot(job, PROVIDER, rec) then released(rec) end
+local woken = {}
+if release_slot(job, PROVIDER, rec) then woken = released(rec) end
 local now = now_ms()
 local tokens = tonumber(ARGV[13]) or 0
 if tokens > 0 then
@@ -71,4 +73,4 @@ else
   end
   drop_job(job, REPLICA_JOBS)
 end
-return {outcome, pump(now)}
+return {outcome, pump(now), unpack(woken)}

@@ -13,7 +13,8 @@
 -- ARGV[4]    job id     ARGV[5] consumer group     ARGV[6] max attempts
 -- ARGV[7]    error event for the client     ARGV[8] reply stream TTL ms
 -- ARGV[9]    gap ms (see reap_round.lua)     ARGV[10] requeued event for the client
--- Returns {outcome, dispatched}; outcome 'requeued' | 'failed' | 'dropped' | 'skip' (lease is
+-- Returns {outcome, dispatched, queue key...} (the queue keys: see finish.lua); outcome
+-- 'requeued' | 'failed' | 'dropped' | 'skip' (lease is
 -- live, or the round is stale)
 --!include lib/jobs.lua
 --!include lib/pump.lua
@@ -36,11 +37,12 @@ if rec == nil then
   redis.call('ZREM', LEASES, job)
   return {'skip', 0}
 end
-if release_slot(job, PROVIDER, rec) then released(rec) end
+local woken = {}
+if release_slot(job, PROVIDER, rec) then woken = released(rec) end
 if rec.ne then
   redis.call('XACK', NODE, ARGV[5], rec.ne)
   redis.call('XDEL', NODE, rec.ne)
 end
 local outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[6]), ARGV[7],
                             ARGV[10], tonumber(ARGV[8]), now)
-return {outcome, pump(now)}
+return {outcome, pump(now), unpack(woken)}

@@ -24,6 +24,8 @@ for i = 5, #ARGV do
     redis.call('ZREM', OLD, job)
     redis.call('ZADD', NEW, score, job)
     rec.ln = ARGV[4] ~= '' and ARGV[4] or nil
+    -- Its API still names the queue it submitted to: cancel.lua removes it from this one.
+    rec.qk = NEW
     put_record(job, rec)
     moved = moved + 1
   end

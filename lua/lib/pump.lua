@@ -59,48 +59,58 @@ local function provider_ok(pkey, now)
 end
 
 -- Parking (flow control): a tenant at its max_in_flight cannot run the jobs it has waiting,
--- so they leave their lane for the tenant's parked set (key: FAIR.park .. tenant, in the
--- {iop} slot like every key), score their tag, each record noting its lane (rec.pq). Jobs
--- behind them run; no look-ahead limit leaves capacity idle. When the tenant's running
--- jobs drop below its limit (finish, reap_lease: unpark), its earliest parked jobs go back
--- to their lanes with their tags, ahead of what came since, and the pump that follows
--- dispatches them. A parked job keeps its record, deadline and counters; one cancelled or
--- expired meanwhile is dropped when it is unparked.
+-- so they leave their lane for the tenant's parked set of that lane (key FAIR.park ..
+-- tenant .. '|' .. lane key, score their tag; the tenant's index FAIR.park .. tenant lists
+-- the lanes it has parked jobs in; every key in the {iop} slot). Jobs behind them run: no
+-- look-ahead limit leaves capacity idle. When the tenant's running jobs drop below its
+-- limit (finish, reap_lease: unpark), the earliest parked job of each of those lanes goes
+-- back with its tag, ahead of what came since, so whichever lane has a free provider runs
+-- it; the others are parked again when they reach a head while it is capped. A parked job
+-- keeps its record, deadline and counters; one cancelled or expired meanwhile is dropped
+-- when it comes back.
 local function park_job(qkey, job, tag)
   local t = tenant_of(job)
   redis.call('ZREM', qkey, job)
-  redis.call('ZADD', FAIR.park .. t, string.format('%.17g', tag), job)
-  local rec = get_record(job)
-  if rec then
-    rec.pq = qkey
-    put_record(job, rec)
-  end
+  redis.call('ZADD', FAIR.park .. t .. '|' .. qkey, string.format('%.17g', tag), job)
+  redis.call('SADD', FAIR.park .. t, qkey)
 end
 
--- Bring back up to `n` of tenant `t`'s earliest parked jobs (see park_job).
-local function unpark(t, n)
-  local key = FAIR.park .. t
-  while n > 0 do
-    local h = redis.call('ZPOPMIN', key)
-    if #h == 0 then return end
-    local rec = get_record(h[1])
-    if rec and rec.st == 'q' and rec.pq then
-      redis.call('ZADD', rec.pq, h[2], h[1])
-      rec.pq = nil
-      put_record(h[1], rec)
-      n = n - 1
+-- Bring back the earliest parked job of each lane tenant `t` has parked jobs in (see
+-- park_job); returns the queue keys they went back to.
+local function unpark(t)
+  local index = FAIR.park .. t
+  local lanes = {}
+  for _, qkey in ipairs(redis.call('SMEMBERS', index)) do
+    local key = index .. '|' .. qkey
+    while true do
+      local h = redis.call('ZPOPMIN', key)
+      if #h == 0 then
+        redis.call('SREM', index, qkey)
+        break
+      end
+      local rec = get_record(h[1])
+      if rec and rec.st == 'q' then
+        redis.call('ZADD', qkey, h[2], h[1])
+        lanes[#lanes + 1] = qkey
+        if redis.call('EXISTS', key) == 0 then redis.call('SREM', index, qkey) end
+        break
+      end
     end
   end
+  return lanes
 end
 
 -- A job of record `rec` gave its slot back: if that takes its tenant under its
--- max_in_flight, its parked jobs come back (before the pump that follows).
+-- max_in_flight, its parked jobs come back (before the pump that follows). Returns the
+-- queue keys they went back to: the caller has those of them its plan lacks pumped
+-- (lua/wake.lua), since the provider that freed may not serve them.
 local function released(rec)
-  if FAIR == nil or not PLAN.cap or rec.tn == nil then return end
+  if FAIR == nil or not PLAN.cap or rec.tn == nil then return {} end
   local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tn) or '')
-  if lim == nil then return end
+  if lim == nil then return {} end
   local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0
-  if run < lim then unpark(rec.tn, lim - run) end
+  if run < lim then return unpark(rec.tn) end
+  return {}
 end
 
 -- Why a provider cannot take work now, in words ('' when it can; nil when it cannot but may

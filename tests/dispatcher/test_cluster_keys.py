@@ -402,6 +402,11 @@ class Scenario:
         await self.redis.zadd(keys.queue("m2", "gone"), {moved: score})
         assert self.note("rehome", await self.reaper.rehome()) == 1
 
+        # A lane a release brought parked jobs back to, pumped on its own (lua/wake.lua).
+        plan = h.calls.plans.by_queue[keys.queue("m2")]
+        ks, head = plan.args(keys.PUMP_KEYS, h.config.dispatch.lease_ms)
+        self.note("wake", await h.calls.scripts.wake(ks, head))
+
         # A dead replica: the reaper cancels its jobs (waiting and running ones).
         extra, _ = await self.submit("m1")
         await self.redis.zadd(keys.REPLICAS, {"rep1": 1})

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
+from dispatcher.protocol import CancelReason
 from dispatcher.reaper import Reaper
 from dispatcher.tenants import Tenants
 from tests.dispatcher.test_flow_control import FairHarness, drain
@@ -198,5 +199,45 @@ async def test_a_job_parked_by_its_own_submit_is_answered_queued(any_redis: Redi
     job, second = await h.send("a")
     # a is at its limit: its second job is parked by its own submit's pump, a free slot or not.
     assert (first, second) == ("dispatched", "queued")
-    assert await any_redis.zscore(keys.parked("a"), job) is not None
+    assert await any_redis.zscore(keys.parked_in("a", keys.queue("m")), job) is not None
     assert (await h.record(job)).state == "q"
+
+
+async def test_a_tenant_back_under_its_cap_gets_another_providers_idle_slot_at_once(any_redis: Redis) -> None:
+    # a may run one at a time; its first job runs on p1 (model m1), its second waits for
+    # model m2, which only p2 serves, idle.
+    config = cfg.parse({
+        "api": {"keys": [{"name": "a", "key_sha256": "0" * 64, "max_in_flight": 1},
+                         {"name": "b", "key_sha256": "1" * 64}]},
+        "nodes": [{"id": "n1", "providers": [
+            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"{m}@{p}"]}
+            for p, m in (("p1", "m1"), ("p2", "m2"))]}],
+        "models": [{"id": m, "providers": {p: f"{m}@{p}"}} for p, m in (("p1", "m1"), ("p2", "m2"))],
+    }).config
+    h = FairHarness(any_redis, config)
+    await h.start()
+    t = h.tenants.by_name["a"]
+    first, second = t.job_id("first"), t.job_id("second")
+    await h.api.submit(first, h.calls.plans.main_lane("m1"), b"{}", "chat/completions", False, tenant=t)
+    result = await h.api.submit(second, h.calls.plans.main_lane("m2"), b"{}", "chat/completions", False, tenant=t)
+    assert result.status == "queued"
+    # p1 frees: a is under its limit again, and p2 takes its waiting job now, not at p2's
+    # next heartbeat.
+    await h.node.finish(await h.assignment(first), b"", mode="done")
+    assert (await h.assignment(second)).provider == "p2"
+
+
+async def test_a_moved_job_given_up_by_its_api_leaves_no_entry_behind(any_redis: Redis) -> None:
+    chat, both = ["chat/completions"], ["chat/completions", "rerank"]
+    old = LaneHarness(any_redis, lane_config({"a": chat, "b": both, "c": both}, hold_ms=60_000))
+    rerank = old.calls.plans.lane_for("m", "rerank")
+    assert rerank is not None
+    job, status = await old.submit_to(rerank, endpoint="rerank")  # nobody up: held
+    assert status == "queued"
+    new = reloaded(old, lane_config({"a": chat, "b": both}, hold_ms=60_000))
+    assert await Reaper(new.calls, any_redis, "test").rehome() == 1
+    moved_to = new.calls.plans.lane_for("m", "rerank")
+    assert moved_to is not None
+    # Its API cancels it with the queue it submitted to.
+    assert (await old.api.cancel(job, rerank.queue, CancelReason.CLIENT)).outcome == "removed"
+    assert await any_redis.zcard(moved_to.queue) == 0

@@ -14,14 +14,15 @@ a band at or below the tenant's), one at a time or in bursts; a worker ending a 
 (answered; ``retry``: its provider failed it before any output; ``requeue``: its worker
 shut down); a first output; a client leaving; a queue deadline passing (rewritten into
 the past, since the scripts read Redis ``TIME``), with or without the API's timer firing
-at once; heartbeats up and down; a worker dying (its heartbeat expiry rewritten); the
-reaper's refusal round; a lease running out (its score rewritten) and ``reap_lease``; a
-stale run's late writes; drains and resumes; and reloads (a provider added or removed, a
-band renamed), after which every process uses only the new plans, as after ``SIGHUP``:
-the workers mark the providers it removes unavailable with their old plans, then
-heartbeat the others with the new ones. What the workers are handed is read from the node
-streams through their consumer group (``XREADGROUP``), what the API is told from its
-reply stream.
+at once; heartbeats up and down; a worker dying (its heartbeat expiry rewritten); a lease
+running out (its score rewritten) and the reaper's ``reap_lease``; a reaper round
+(``Reaper.run_once``: refusals, jobs moved out of lanes a reload renamed); a stale run's
+late writes; drains and resumes; and reloads (a provider added or removed, a band
+renamed), after which every process uses only the new plans, as after ``SIGHUP``: the
+workers mark the providers it removes as removed with their old plans, heartbeat the
+others with the new ones, and the reaper's next round follows. What the workers are handed
+is read from the node streams through their consumer group (``XREADGROUP``), what the API
+is told from its reply stream.
 
 The invariants are the ``inv*`` functions (each docstring says what it demands). The
 machine checks them all after every step, invariant 6 (no idle capacity) only after steps
@@ -79,11 +80,15 @@ T = TypeVar("T")
 # keep their regression tests, unmarked.
 KNOWN_DEFECTS: frozenset[str] = frozenset({
     # 1a. A reload that takes a lane's queue key away leaves the jobs waiting there in a queue no
-    #    plan pumps. A reaper round now moves them to the lane they belong in, except jobs pinned
-    #    to a provider the reload removed: nothing moves or answers them (the removal heartbeat
-    #    no longer refuses), and they wait out their queue deadline. Relaxes inv4, and inv6 and
+    #    plan pumps. A reaper round now moves those it finds in lane queues, but not (i) jobs
+    #    pinned to a provider the reload removed: nothing moves or answers them (the removal
+    #    heartbeat no longer refuses), they wait out their queue deadline; nor (ii) a job that
+    #    comes back after the reload -- requeued by its worker, or unparked by its tenant's
+    #    release -- to the key it left, which waits there while its providers idle, until a
+    #    round moves it (parked jobs are not looked at by rounds). Relaxes inv4, and inv6 and
     #    the model's expected finish outcomes, for jobs queued before a reload in such a queue.
-    #    test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered
+    #    test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
+    #    test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
     "stranded_after_reload",
     # 1b. A reload that adds a provider to the providers of an endpoint only some serve renames
     #    that endpoint's lane ("b" -> "b,c"), and the old key stays in use as another lane (the
@@ -92,24 +97,13 @@ KNOWN_DEFECTS: frozenset[str] = frozenset({
     #    plans pump but would not put them in.
     #    test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider added]
     "misplaced_after_reload",
-    # 6. A release that takes a tenant back under its max_in_flight pumps only the lanes of the
-    #    provider that freed: the tenant's jobs in other lanes wait while their providers idle.
-    #    Relaxes inv6 for jobs of a tenant that went under its cap after their lane was pumped.
-    #    test_defect6_a_tenant_back_under_its_cap_gets_idle_capacity_at_once
-    "cap_release_not_pumped",
-    # 8. (Found by this machine in the parking of capped tenants' jobs, the work in progress on
-    #    defect 5.) A release that takes a tenant back under its max_in_flight brings back its
-    #    earliest parked jobs whether or not they can run: one that could run on an idle
-    #    provider stays parked. Relaxes inv6 for parked jobs of a tenant under its cap.
-    #    test_defect8_a_tenant_under_its_cap_has_no_runnable_job_left_parked
+    # 8. (Found by this machine in the parking of capped tenants' jobs, the fix of defect 5.) A
+    #    release brings back the earliest parked job of each lane; if that one leaves without
+    #    running (its client gone, refused), the jobs parked behind it stay parked while their
+    #    tenant runs nothing -- no release will come to bring them back -- and providers idle.
+    #    Relaxes inv6 for parked jobs of a tenant under its cap.
+    #    test_defect8_a_parked_job_comes_back_when_the_job_brought_back_instead_leaves
     "parked_while_under_cap",
-    # 10. (Found by this machine in the reaper's rehoming, the work in progress on defect 1a.) A
-    #    job a reaper round moved to another lane is given up by its API (client gone, queue
-    #    deadline) in the queue it was submitted to: cancel drops its record, but its entry
-    #    stays in the queue it was moved to (counted by max_queue until a pump skips it).
-    #    Relaxes inv8b (and inv3) for the entry of such a job.
-    #    test_defect10_a_job_moved_by_the_reaper_leaves_nothing_behind_when_cancelled
-    "rehomed_cancel_leaves_entry",
 })
 # Fixed in this tree; their flags would relax the same checks, and their regression tests run
 # unmarked (a flag put back here marks its test xfail again):
@@ -129,13 +123,25 @@ KNOWN_DEFECTS: frozenset[str] = frozenset({
 #  5. "tenant_cap_lookahead": a tenant at its max_in_flight with more than 64 jobs at the front
 #     of a lane hid other tenants' jobs behind them while capacity idled (inv6).
 #     test_defect5_a_capped_tenant_does_not_idle_capacity_beyond_the_look_ahead
+#  6. "cap_release_not_pumped": a release that took a tenant back under its max_in_flight
+#     pumped only the lanes of the provider that freed (inv6) -- now the lanes its parked jobs
+#     went back to are pumped too (lua/wake.lua).
+#     test_defect6_a_tenant_back_under_its_cap_gets_idle_capacity_at_once
 #  7. "blocked_head_cancel_not_pumped": cancelling a blocked head pumped nothing: the jobs
 #     behind it kept waiting while the provider it blocked idled (inv6).
 #     test_defect7_cancelling_a_blocked_head_lets_the_next_job_take_the_idle_provider
+#  8. (its first case) "parked_while_under_cap": a release that took a tenant back under its
+#     max_in_flight brought back only its earliest parked jobs, whether or not they could run
+#     (inv6) -- now the earliest of each lane it has parked jobs in comes back.
+#     test_defect8_a_tenant_under_its_cap_has_no_runnable_job_left_parked
 #  9. "parked_submit_says_dispatched" (found by this machine in the work in progress on defect
 #     5): a submit whose job was parked at once (its tenant at its max_in_flight) answered
 #     'dispatched' instead of 'queued' (the model's check of submit's answer).
 #     test_defect9_a_submit_parked_at_once_answers_queued
+#  10. "rehomed_cancel_leaves_entry" (found by this machine in the fix of defect 1a): a job a
+#     reaper round moved to another lane, then given up by its API (which names the queue it
+#     submitted to), kept its entry in the queue it was moved to (inv8b, inv3).
+#     test_defect10_a_job_moved_by_the_reaper_leaves_nothing_behind_when_cancelled
 
 
 def known_defect(flag: str, reason: str) -> pytest.MarkDecorator:
@@ -256,8 +262,11 @@ for _, p in ipairs(ARGV) do out[#out + 1] = redis.call('HGETALL', p) end
 for _, pattern in ipairs({'{iop}:q:*', '{iop}:park:*'}) do
   local sets = {}
   for _, key in ipairs(redis.call('KEYS', pattern)) do
-    sets[#sets + 1] = key
-    sets[#sets + 1] = redis.call('ZRANGE', key, 0, -1)
+    -- {iop}:park:<tenant> is the set of its lanes; {iop}:park:<tenant>|<lane queue> its jobs.
+    if redis.call('TYPE', key).ok == 'zset' then
+      sets[#sets + 1] = key
+      sets[#sets + 1] = redis.call('ZRANGE', key, 0, -1)
+    end
   end
   out[#out + 1] = sets
 end
@@ -306,7 +315,7 @@ class Snapshot:
     def lane_of(self, job: str) -> str | None:
         """The lane queue a waiting job is in, or goes back to from its parked set."""
         if job in self.parked:
-            return (self.records.get(job) or {}).get("pq")
+            return self.parked[job].partition("|")[2]  # {iop}:park:<tenant>|<lane queue>
         return self.where.get(job)
 
     def running(self, tenant: str) -> int:
@@ -948,8 +957,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         can = [p for p in lane.providers if w.available(p)]
         if status in ("unavailable", "no_provider") and can:
             self.expect(f"submit of {job_id} to {lane.queue} while {can} can take work", status, "queued")
-        if status == "unavailable" and pinned is None:
-            self.expect(f"submit of {job_id}, not pinned", status, "queued or no_provider")
+        self.expect(f"submit of {job_id} (pinned to {pinned}): 'unavailable' is for pinned jobs",
+                    status == "unavailable" and pinned is None, False)
         if status not in ("dispatched", "queued"):
             j.state = "gone"
             j.outcomes.append(f"refused {status}")
@@ -1368,6 +1377,38 @@ async def test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered(s
 
 
 @pytest.mark.anyio
+@known_defect("stranded_after_reload", "defect 1: a job coming back after a reload goes to a lane key it took away")
+@pytest.mark.parametrize("back", ["requeued", "unparked"])
+async def test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped(
+    scene: SceneMaker, back: str,
+) -> None:
+    # Tenant t is in the batch band; a reload renames the band (its lanes' keys go away).
+    bands, tenants = ("interactive", "standard", "batch"), {"t": {"priority": "batch", "max_in_flight": 1}, "u": {}}
+    one = {"b": Spec("n1", 2, (CHAT,), ("m1",))}
+    s = scene(make_config(one, tenants=tenants, bands=bands), one)
+    await s.start()
+    await s.submit("x", tenant="t")  # running: t is at its max_in_flight
+    await s.submit("y", tenant="t")  # parked (with the key of the lane it goes back to)
+    assert (s.on("t~x"), s.on("t~y")) == ("b", None)
+    renamed = {**tenants, "t": {"priority": "bulk", "max_in_flight": 1}}
+    await s.reload(make_config(one, tenants=renamed, bands=("interactive", "standard", "bulk")), one)
+    handed = dict(s.runs)
+    if back == "requeued":
+        # x's worker shuts down before any output: x goes back to its lane, and b is free.
+        assert await s.finish("t~x", "requeue") == "requeued"
+        coming_back = "t~x"
+    else:
+        # x ends: t is under its cap again, y comes back to its lane, and b is free.
+        assert await s.finish("t~x") == "released"
+        coming_back = "t~y"
+    snap = await s.sync()
+    run = s.runs.get(coming_back)
+    assert run is not handed.get(coming_back), f"waits in {snap.lane_of(coming_back)}"
+    assert run is not None
+    assert run.a.provider == "b"
+
+
+@pytest.mark.anyio
 @known_defect("wrong_endpoint_after_reload", "defect 2: a provider a reload adds gets an endpoint it does not serve")
 async def test_defect2_a_reload_adding_a_provider_never_sends_it_an_endpoint_it_does_not_serve(
     scene: SceneMaker,
@@ -1466,7 +1507,6 @@ async def test_defect7_cancelling_a_blocked_head_lets_the_next_job_take_the_idle
 
 
 @pytest.mark.anyio
-@known_defect("parked_while_under_cap", "defect 8: a runnable job stays parked while its tenant is under its cap")
 async def test_defect8_a_tenant_under_its_cap_has_no_runnable_job_left_parked(scene: SceneMaker) -> None:
     two = {"b": Spec("n1", 2, (CHAT, RESPONSES), ("m1", "m2")), "c": Spec("n1", 1, (CHAT, RESPONSES), ("m1",))}
     s = scene(make_config(two, tenants={"A": {"max_in_flight": 1}, "B": {}}), two)
@@ -1512,3 +1552,21 @@ async def test_defect10_a_job_moved_by_the_reaper_leaves_nothing_behind_when_can
     snap = await s.sync()
     assert "t~r3" not in snap.records
     assert "t~r3" not in snap.where, f"still in {snap.where.get('t~r3')}"
+
+
+@pytest.mark.anyio
+@known_defect("parked_while_under_cap", "defect 8: a job stays parked while its tenant runs nothing")
+async def test_defect8_a_parked_job_comes_back_when_the_job_brought_back_instead_leaves(scene: SceneMaker) -> None:
+    two = {"p1": Spec("n1", 1, (CHAT,), ("m1",)), "p2": Spec("n1", 1, (CHAT,), ("m2",))}
+    s = scene(make_config(two, tenants={"A": {"max_in_flight": 1}, "B": {}}), two)
+    await s.start()
+    await s.submit("b", "m2", tenant="B")  # p2 is busy
+    await s.submit("x", "m1", tenant="A")  # on p1: A is at its cap
+    await s.submit("y", "m2", tenant="A")
+    await s.submit("z", "m2", tenant="A")
+    assert (s.on("B~b"), s.on("A~x"), s.on("A~y"), s.on("A~z")) == ("p2", "p1", None, None)
+    assert await s.finish("A~x") == "released"  # A may run one again; p2 is still busy
+    assert await s.fleet.cancel("A~y", keys.queue("m2"), CancelReason.CLIENT) == "removed"
+    assert await s.finish("B~b") == "released"
+    # A runs nothing, p2 is free: z takes it.
+    assert s.on("A~z") == "p2"

@@ -1,0 +1,12 @@
+-- wake: pump lanes that a release brought a capped tenant's parked jobs back to
+-- (lib/pump.lua unpark) when the script that released did not pump them: the provider
+-- that freed does not serve them, so their own providers may be idle.
+--
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[..]   plan keys of the lanes
+-- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- Returns the number of jobs dispatched
+--!include lib/jobs.lua
+--!include lib/pump.lua
+
+return pump(now_ms())
