@@ -221,6 +221,10 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             job, seq = queue_replies[2 * i + 1][0]
             if model_id not in head_seq or seq < head_seq[model_id][0]:
                 head_seq[model_id] = (seq, job.decode())
+    if counter_fields and flow_control(config):
+        # A tenant at its max_in_flight has its waiting jobs parked outside the lanes
+        # (lib/pump.lua park_job): the tenants' counters count every waiting job.
+        queued = {m: sum(counters.get(f"q:{t.name}:{m}", 0) for t in tenants) for m in queued}
     heads = {model_id: job for model_id, (_, job) in head_seq.items()}
     head_records = await redis.hmget(keys.JOBS, list(heads.values())) if heads else []
     oldest: dict[str, int] = {}

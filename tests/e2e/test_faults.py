@@ -168,7 +168,9 @@ def test_frozen_worker_is_fenced_when_it_wakes_up(system: System) -> None:
     frozen = system.worker("n1", "worker-frozen")
     system.api()
     system.wait_available("p")
-    fake.control(delay_ms=1000)
+    # Long enough that the frozen worker is still waiting for its answer when it is stopped,
+    # however long the survivor takes to start on a busy machine.
+    fake.control(delay_ms=4000)
     request = Background(lambda: post(system))
     request.start()
     system.wait_until("job running", busy(fake))
