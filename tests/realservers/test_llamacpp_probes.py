@@ -62,6 +62,10 @@ def iop_in_front(tmp: pytest.TempPathFactory, server: RealServer, provider_type:
             "capacity": 1, "endpoints": ["chat/completions", "completions"], "timeout_s": 60,
         }]}],
         "dispatch": fast_dispatch(lease_ms=6000),
+        # A probe that times out on a busy machine marks the one provider unavailable for a
+        # moment: the streams wait for it rather than being answered no_provider_available
+        # (what is tested here is that probes never cut them).
+        "queue": {"hold_when_unavailable_ms": 60_000},
     }
     with RedisServer() as redis_server:
         system = System(tmp.mktemp(f"iop-{provider_type}"), redis_server)
