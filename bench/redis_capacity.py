@@ -814,6 +814,7 @@ class CostRig:
         self.admin = connect(url)
         self.fast = connect_fast(url)
         calls = script_calls(self.admin, self.fast, config)
+        self.calls = calls
         plans = calls.plans
         assert plans.fair == (tenants is not None)
         assert sum(len(ls) for ls in plans.lanes_by_model.values()) == lanes
@@ -832,6 +833,7 @@ class CostRig:
     async def reset(self, capacity: int) -> None:
         """An empty dataset (the scripts stay loaded) and a provider of ``capacity`` slots."""
         await self.admin.flushall()
+        await self.calls.write_plans()  # else the first call of each plan would write it
         await self.heartbeat(capacity)
 
     async def heartbeat(self, capacity: int) -> None:

@@ -36,6 +36,11 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:ft``             | hash   | tenant -> start tag of the tenant's next job                   |
 | ``{iop}:park:<tenant>``  | set    | a tenant at its max_in_flight: the lanes it has parked jobs in |
 | ``…:park:<tenant>|<q>``  | zset   | its parked jobs of lane queue ``<q>`` -> their tags            |
+| ``{iop}:lanes:waiting``  | set    | queue keys of lanes that may hold jobs: a job put in a lane    |
+|                          |        | adds it, a pump that finds it empty removes it                 |
+| ``{iop}:plan:<id>``      | hash   | a dispatch plan: ``''`` -> header, queue key -> lane (JSON,    |
+|                          |        | dispatcher/wire.py); ``<id>`` a digest of its content; TTL 1 d |
+| ``{iop}:plan:<id>:lanes``| set    | its lanes' queue keys                                          |
 | ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
@@ -67,6 +72,7 @@ TENANT_LIMITS = f"{PREFIX}:tenant:limits"
 VIRTUAL_TIME = f"{PREFIX}:vt"
 FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
+WAITING_LANES = f"{PREFIX}:lanes:waiting"
 RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"
 
 # The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
@@ -87,6 +93,15 @@ def queue(model_id: str, lane: str = "") -> str:
     if not lane or lane.startswith("#"):
         return f"{PREFIX}:q:{model_id}{lane}"
     return f"{PREFIX}:q:{model_id}|{lane}"
+
+
+def plan(plan_id: str) -> str:
+    """A dispatch plan (``dispatcher/plans.py``, ``lua/plan.lua``)."""
+    return f"{PREFIX}:plan:{plan_id}"
+
+
+def plan_lanes(plan_id: str) -> str:
+    return f"{plan(plan_id)}:lanes"
 
 
 def node(node_id: str) -> str:

@@ -13,34 +13,50 @@ first.
 
 A script may only touch keys it is given. Pumping a set of lanes touches each lane's
 queue and, for every candidate, the provider hash and the node stream. A :class:`Plan`
-holds those keys and the JSON that tells the script where they are
-(``lua/lib/pump.lua``). Plans are built once at start-up: the request path only
-concatenates lists.
+holds those keys and the lanes (``dispatcher/wire.py`` LaneSpec) that tell the script
+where they are (``lua/lib/pump.lua``). The lanes live in Redis under the plan's id, so a
+call carries only the id and the keys: a finish of a provider in 240 lanes reads the
+index of lanes that hold jobs, not 240 lanes. Plans are built once at start-up: the
+request path only concatenates lists.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.config import Config, ModelConfig
 from dispatcher.tenants import bands, flow_control
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """The lanes one kind of script call pumps, as ``lua/lib/pump.lua`` reads them: a header
+    and one JSON per lane, kept in Redis under ``keys.plan(id)`` (``lua/plan.lua`` writes it
+    when a call finds it missing), so that a call sends the plan's id and its keys, not its
+    lanes. ``keys``: the plan hash, its lane set, the index of lanes that hold jobs, then the
+    keys its lanes name by position."""
+
+    id: str  # a digest of everything below: plans of two configs never share a key
     keys: tuple[str, ...]
-    spec: bytes
+    header: bytes  # wire.PlanHeader
+    lanes: tuple[tuple[str, bytes], ...]  # (queue key, wire.LaneSpec); none for a plan of one lane
 
     def args(self, fixed_keys: Iterable[str], lease_ms: int) -> tuple[list[str], list[bytes | str | int]]:
         """KEYS and the first three ARGV of a pumping script whose own keys are ``fixed_keys``."""
         ks = list(fixed_keys)
         offset = len(ks)
         ks.extend(self.keys)
-        return ks, [self.spec, offset, lease_ms]
+        return ks, [self.id, offset, lease_ms]
+
+    def upload(self, ttl_ms: int) -> tuple[list[str], list[bytes | str | int]]:
+        """KEYS and ARGV of ``lua/plan.lua``, which writes this plan."""
+        argv: list[bytes | str | int] = [ttl_ms, self.header]
+        for queue_key, spec in self.lanes:
+            argv += [queue_key, spec]
+        return list(self.keys[:2]), argv
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,34 +76,46 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     node_of = {prov.id: node.id for node, prov in config.providers()}
     # ',a,b,': what lib/pump.lua's serves() looks a job's endpoint up in.
     endpoints_of = {prov.id: "," + ",".join(sorted(prov.served_endpoints)) + "," for _, prov in config.providers()}
-    index: dict[str, int] = {}
+    # The plan hash, its lane set and the index take the first three places; their names
+    # depend on the digest, which depends on the rest: placeholders until then.
+    index: dict[str, int] = {"": 1, " ": 2, keys.WAITING_LANES: 3}
 
     def pos(key: str) -> int:
         if key not in index:
             index[key] = len(index) + 1
         return index[key]
 
-    groups = []
+    specs: list[tuple[str, wire.LaneSpec]] = []
     for lane in lanes:
         model = config.model(lane.model)
         assert model is not None
         cands = [
-            [pid, model.providers[pid], pos(keys.provider(pid)), pos(keys.node(node_of[pid])), node_of[pid],
-             endpoints_of[pid]]
+            wire.Candidate(provider=pid, served=model.providers[pid], provider_key=pos(keys.provider(pid)),
+                           node_key=pos(keys.node(node_of[pid])), node=node_of[pid], endpoints=endpoints_of[pid])
             for pid in lane.providers
             if pid in node_of
         ]
-        group = {"m": lane.model, "l": lane.name, "q": pos(lane.queue), "c": cands,
-                 "h": config.hold_when_unavailable_ms(model)}
-        if fair:
-            group["b"] = lane.band
-        groups.append(group)
-    if not fair:
-        return Plan(keys=tuple(index), spec=msgspec.json.encode(groups))
-    head = {"t": pos(keys.TENANTS), "lim": pos(keys.TENANT_LIMITS), "v": pos(keys.VIRTUAL_TIME),
-            "f": pos(keys.FINISH_TAGS), "cap": any(k.max_in_flight for k in config.api.keys),
-            "pk": keys.parked("")}
-    return Plan(keys=tuple(index), spec=msgspec.json.encode({"g": groups, **head}))
+        specs.append((lane.queue, wire.LaneSpec(
+            model=lane.model, name=lane.name, queue=pos(lane.queue), band=lane.band if fair else 0,
+            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands)))
+    only = specs[0][1] if len(specs) == 1 else None
+    if fair:
+        head = wire.PlanHeader(
+            fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
+            limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
+            park=keys.parked(""), only=only)
+    else:
+        head = wire.PlanHeader(only=only)
+    header = wire.encode(head)
+    lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
+    key_list = list(index)
+    digest = hashlib.blake2b(digest_size=10)
+    for part in (header, *(b"\0".join((q.encode(), spec)) for q, spec in lane_specs), *(k.encode() for k in key_list)):
+        digest.update(part)
+        digest.update(b"\n")
+    plan_id = digest.hexdigest()
+    key_list[0], key_list[1] = keys.plan(plan_id), keys.plan_lanes(plan_id)
+    return Plan(id=plan_id, keys=tuple(key_list), header=header, lanes=lane_specs)
 
 
 def model_lanes(config: Config, model: ModelConfig) -> tuple[Lane, dict[str, Lane], dict[str, Lane]]:
@@ -147,6 +175,12 @@ class Plans:
                                     if prov.id in ln.providers], self.fair)
             for _, prov in config.providers()
         }
+
+    def every_plan(self) -> list[Plan]:
+        """Each distinct plan of this config once."""
+        unique = {plan.id: plan for plan in (self.empty, self.everything, *self.by_lane.values(),
+                                             *self.by_provider.values())}
+        return list(unique.values())
 
     def banded(self, lane: Lane, band: int) -> Lane:
         """``lane`` in priority band ``band`` (its queue is named after the band unless it is

@@ -8,21 +8,25 @@ reaper call these and never build a key list themselves.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal, cast
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from dispatcher import events, keys, wire
 from dispatcher.config import Config
-from dispatcher.events import Assignment, JobRecord
+from dispatcher.events import Assignment, JobRecord, decode_record
 from dispatcher.exceptions import ModelNotFound
 from dispatcher.fastredis import Arg
-from dispatcher.plans import Lane, Plans
-from dispatcher.scripts import Scripts
+from dispatcher.plans import Lane, Plan, Plans
+from dispatcher.scripts import Script, Scripts
 from dispatcher.tenants import Tenant
+
+log = logging.getLogger(__name__)
 
 # The tenant of a job submitted without one (tests, benchmarks).
 DEFAULT = Tenant("default", 0)
@@ -33,6 +37,13 @@ REPLY_KEEP_MS = 300_000
 # Waiting jobs of one lane answered no_provider_available per script call: the rest at the
 # next call (a reaper round), so that one call stays short.
 REFUSE_LIMIT = 500
+# A dispatch plan kept in Redis goes after a day (lua/plan.lua); one still in use is written
+# again by the first call that misses it.
+PLAN_TTL_MS = 86_400_000
+# What lua/abandon.lua answers a job pinned to a provider a reload removed.
+_PROVIDER_GONE = events.encode(events.Failed(
+    503, "response_provider_unavailable",
+    "The provider holding this response was removed from the configuration; start a new conversation"))
 
 
 class SubmitStatus(StrEnum):
@@ -166,16 +177,20 @@ class ScriptCalls:
             timeout_ms=timeout_ms, max_queue=max_queue, pinned=pinned,
             tenant=t.name if t else "", weight=t.weight if t else 1.0, max_queued=(t.max_queued or 0) if t else 0,
         )
-        status, queued, deadline, now, *why = await self.scripts.submit(ks, [*head, wire.encode(opts), body])
+        status, queued, deadline, now, *why = await self._pump(
+            self.scripts.submit, plan, ks, [*head, wire.encode(opts), body])
         return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now),
                          why[0].decode() if why else "")
 
     async def cancel(self, job: str, queue_key: str, replica: str, reason: CancelReason) -> Cancelled:
         """``queue_key``: the queue of the job's lane."""
-        outcome, wait_ms = await self.scripts.cancel(
-            [*keys.JOB_KEYS, queue_key, keys.replica_jobs(replica), keys.TENANTS],
-            [job, reason, keys.CANCEL_CHANNEL_PREFIX],
+        outcome, wait_ms, *woken = await self.scripts.cancel(
+            [*keys.JOB_KEYS, queue_key, keys.replica_jobs(replica), keys.TENANTS, keys.TENANT_LIMITS,
+             keys.WAITING_LANES],
+            [job, reason, keys.CANCEL_CHANNEL_PREFIX, keys.parked("")],
         )
+        # A parked job of its tenant took its place: pumped now, like a release's (_wake).
+        await self._wake("", woken)
         return Cancelled(CancelOutcome(outcome.decode()), int(wait_ms))
 
     async def replica_alive(self, replica: str) -> int:
@@ -199,26 +214,48 @@ class ScriptCalls:
         self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0
     ) -> FinishOutcome:
         """``tokens``: the completion tokens the job generated, for its provider's throughput."""
-        ks, head = self._settle_args(job.provider, node, job.replica, keys.queue(job.model, job.lane))
-        outcome, _, *woken = await self.scripts.finish(
-            ks,
+        base = job.lane.partition("#")[0]
+        # A lane of one provider may be the lane of the jobs pinned to it (the stream entry
+        # does not say): its home is the same lane under the new config either way.
+        queue = self._queue_now(job.model, job.lane, job.endpoint, base if base and "," not in base else None)
+        plan, ks, head = self._settle_args(job.provider, node, job.replica, queue)
+        outcome, _, *woken = await self._pump(
+            self.scripts.finish, plan, ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
              mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens],
         )
-        await self._wake(job.provider, woken)
-        return FinishOutcome(outcome.decode())
+        result = FinishOutcome(outcome.decode())
+        await self._wake(job.provider, [*woken, *([queue.encode()] if result == FinishOutcome.REQUEUED else [])])
+        return result
+
+    def _queue_now(self, model: str, lane: str, endpoint: str, pin: str | None) -> str:
+        """The queue a dispatched job of ``lane`` goes back to if it is requeued: its lane's,
+        or, when a reload took that key away since, the lane it belongs in now
+        (``Plans.home_of``), so that a retry finds its lane's other providers and a requeued
+        job waits where it is pumped. When none is known, its old one (``rehome_queue`` then
+        settles it)."""
+        queue = keys.queue(model, lane)
+        if queue in self.plans.by_queue:
+            return queue
+        home = self.plans.home_of(model, lane, endpoint, pin)
+        return home.queue if home is not None else queue
 
     async def _wake(self, provider: str, woken: Sequence[bytes]) -> None:
         """Pump the lanes a release brought parked jobs back to that ``provider``'s plan, which
         the releasing script pumped, does not hold (``lua/wake.lua``). Rare: only a tenant at
-        its max_in_flight whose jobs wait in other providers' lanes."""
+        its max_in_flight whose jobs wait in other providers' lanes. A queue this config does
+        not pump (a job parked, or dispatched, before a reload renamed its lane, came back to
+        it) has its jobs moved where they belong now."""
         pumped = self.plans.provider_queues.get(provider, frozenset())
         for raw in dict.fromkeys(woken):
             queue = raw.decode()
             plan = self.plans.by_queue.get(queue)
-            if queue not in pumped and plan is not None:
+            if plan is None:
+                # Moved where it belongs now (which pumps it there), not left for a reaper round.
+                await self.rehome_queue(queue)
+            elif queue not in pumped:
                 ks, head = plan.args(keys.PUMP_KEYS, self._lease_ms)
-                await self.scripts.wake(ks, head)
+                await self._pump(self.scripts.wake, plan, ks, head)
 
     async def renew(self, runs: Iterable[tuple[str, int]], reply_within: float | None = None) -> list[Abort]:
         args: list[Arg] = [self._lease_ms]
@@ -233,12 +270,13 @@ class ScriptCalls:
     async def heartbeat(self, provider: str, health: str, fields: Sequence[tuple[str, str | int]]) -> int:
         """Publish a provider; returns how many waiting jobs it took (available), or how many
         it answered no_provider_available (not: it was the last provider of their lanes)."""
-        ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        plan = self.plans.by_provider[provider]
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
         flat: list[Arg] = []
         for name, value in fields:
             flat += [name, value]
         ttl_ms = self.config.dispatch.heartbeat_ttl_ms
-        return int(await self.scripts.heartbeat(ks, [*head, health, ttl_ms, self._refusal, *flat]))
+        return int(await self._pump(self.scripts.heartbeat, plan, ks, [*head, health, ttl_ms, self._refusal, *flat]))
 
     async def remember_response(self, response_id: str, provider: str, model: str) -> None:
         r = self.config.responses
@@ -250,8 +288,9 @@ class ScriptCalls:
 
     async def drain(self, provider: str, mode: Literal["drain", "resume"]) -> Drained:
         """Set (``drain``) or clear (``resume``, which pumps) a provider's drain mark."""
-        ks, head = self.plans.by_provider[provider].args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
-        mark, in_flight, dispatched = await self.scripts.drain(ks, [*head, mode, self._refusal])
+        plan = self.plans.by_provider[provider]
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        mark, in_flight, dispatched = await self._pump(self.scripts.drain, plan, ks, [*head, mode, self._refusal])
         return Drained(mark.decode() or None, int(in_flight), int(dispatched))
 
     # --- maintenance ------------------------------------------------------------------------
@@ -259,17 +298,71 @@ class ScriptCalls:
     async def rehome(self, old_queue: str, lane: Lane, jobs: Sequence[str]) -> tuple[int, int]:
         """Move waiting ``jobs`` from ``old_queue`` (a lane this config has not) to ``lane``, then
         pump it; returns (moved, dispatched)."""
-        ks, head = self.plans.by_lane[(lane.model, lane.name)].args(
-            (*keys.PUMP_KEYS, old_queue, lane.queue), self._lease_ms)
-        moved, dispatched = await self.scripts.rehome(ks, [*head, lane.name, *jobs])
+        plan = self.plans.by_lane[(lane.model, lane.name)]
+        ks, head = plan.args((*keys.PUMP_KEYS, old_queue, lane.queue), self._lease_ms)
+        moved, dispatched = await self._pump(self.scripts.rehome, plan, ks, [*head, lane.name, *jobs])
         return int(moved), int(dispatched)
+
+    async def rehome_queue(self, queue: str, limit: int = 200) -> int:
+        """The first ``limit`` jobs waiting in ``queue``, a lane queue this config does not pump (a
+        reload renamed or removed its lane), moved to the lane each belongs in now; those pinned
+        to a provider a reload removed answered 503. Returns how many moved."""
+        redis = self.scripts.redis
+        jobs = cast(list[bytes], await redis.zrange(queue, 0, limit - 1))
+        if not jobs:
+            return 0
+        records = cast(list[bytes | None], await redis.hmget(keys.JOBS, jobs))
+        homes: dict[Lane, list[str]] = {}
+        homeless: dict[str, list[str]] = {}  # replica -> jobs
+        for raw_job, raw in zip(jobs, records, strict=True):
+            if raw is None:
+                continue
+            rec = decode_record(raw)
+            if rec.state != "q":
+                continue
+            lane = self.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
+            if lane is None:
+                # Pinned to a provider a reload removed: its worker marked it so, or its
+                # heartbeat ran out. (One that is up is in a newer config than this process's,
+                # whose processes pump the job.)
+                if rec.pin and await self._gone(rec.pin):
+                    homeless.setdefault(rec.replica, []).append(raw_job.decode())
+            elif lane.queue != queue:
+                homes.setdefault(lane, []).append(raw_job.decode())
+        moved = 0
+        for lane, group in homes.items():
+            n, _ = await self.rehome(queue, lane, group)
+            moved += n
+        if moved:
+            log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
+        for replica, group in homeless.items():
+            n = await self.abandon(queue, replica, group)
+            log.warning("%d jobs waiting in %s are pinned to a provider a reload removed: answered", n, queue)
+        return moved
+
+    async def _gone(self, provider: str) -> bool:
+        """Was ``provider`` removed (its worker's mark), or is its worker silent?"""
+        redis = self.scripts.redis
+        removed, hb_exp = await redis.hmget(keys.provider(provider), "removed", "hb_exp")
+        if removed:
+            return True
+        seconds, micros = await redis.time()
+        return hb_exp is None or int(hb_exp) < seconds * 1000 + micros // 1000
+
+    async def abandon(self, queue: str, replica: str, jobs: Sequence[str]) -> int:
+        """Answer 503 the waiting ``jobs`` of ``queue`` (a lane this config has not), submitted by
+        ``replica`` and pinned to a provider a reload removed: no lane may take them."""
+        return int(await self.scripts.abandon(
+            [*keys.JOB_KEYS, queue, keys.TENANTS, keys.reply(replica), keys.replica_jobs(replica)],
+            [REPLY_KEEP_MS, _PROVIDER_GONE, *jobs]))
 
     async def refuse(self) -> int:
         """Answer no_provider_available the jobs waiting in lanes none of whose providers can
         take work now, counting a provider whose worker is silent as down (a reaper round:
         Redis was reachable); returns how many."""
-        ks, head = self.plans.everything.args(keys.PUMP_KEYS, self._lease_ms)
-        return int(await self.scripts.refuse(ks, [*head, self._sweep]))
+        plan = self.plans.everything
+        ks, head = plan.args(keys.PUMP_KEYS, self._lease_ms)
+        return int(await self._pump(self.scripts.refuse, plan, ks, [*head, self._sweep]))
 
     async def reap_round(self, run_id: str) -> Round:
         d = self.config.dispatch
@@ -281,14 +374,16 @@ class ScriptCalls:
 
     async def reap_lease(self, job: str, rec: JobRecord, provider: str, node: str, lost_event: bytes) -> ReapOutcome:
         """``provider`` and ``node``: the record's, which a dispatched job always has."""
-        ks, head = self._settle_args(provider, node, rec.replica, keys.queue(rec.model, rec.lane), keys.REAPER_SEEN)
-        outcome, _, *woken = await self.scripts.reap_lease(
-            ks,
+        queue = self._queue_now(rec.model, rec.lane, rec.endpoint, rec.pin)
+        plan, ks, head = self._settle_args(provider, node, rec.replica, queue, keys.REAPER_SEEN)
+        outcome, _, *woken = await self._pump(
+            self.scripts.reap_lease, plan, ks,
             [*head, job, keys.NODE_GROUP, self.config.dispatch.max_attempts, lost_event, REPLY_KEEP_MS,
              self.config.dispatch.observation_gap_ms, events.REQUEUED],
         )
-        await self._wake(provider, woken)
-        return ReapOutcome(outcome.decode())
+        result = ReapOutcome(outcome.decode())
+        await self._wake(provider, [*woken, *([queue.encode()] if result == ReapOutcome.REQUEUED else [])])
+        return result
 
     async def reconcile(self, provider_ids: list[str]) -> tuple[list[Correction], list[Correction]]:
         """In one script: each provider's in_flight set to its live leases, and the tenant
@@ -303,10 +398,30 @@ class ScriptCalls:
         )
         return in_flight, counters
 
+    async def write_plans(self) -> int:
+        """Write every plan of this config into Redis (each is written anyway by the first
+        call that misses it); returns how many."""
+        plans = self.plans.every_plan()
+        for plan in plans:
+            await self.scripts.plan(*plan.upload(PLAN_TTL_MS))
+        return len(plans)
+
+    async def _pump(self, script: Script, plan: Plan, ks: list[str], args: Sequence[Arg]) -> Any:
+        """Call a script that pumps ``plan``'s lanes. One that finds the plan missing from Redis
+        (a new server, a failover that lost it, its TTL) fails ``NOPLAN`` having changed
+        nothing: the plan is written (``lua/plan.lua``) and the call made again."""
+        try:
+            return await script(ks, args)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOPLAN"):
+                raise
+        await self.scripts.plan(*plan.upload(PLAN_TTL_MS))
+        return await script(ks, args)
+
     def _settle_args(
         self, provider: str, node: str, replica: str, queue_key: str, *extra: str
-    ) -> tuple[list[str], list[Arg]]:
-        """KEYS and ARGV head of the scripts that end a dispatch (finish, reap_lease): the job's
+    ) -> tuple[Plan, list[str], list[Arg]]:
+        """The plan, KEYS and ARGV head of the scripts that end a dispatch (finish, reap_lease): the job's
         node stream, reply stream, replica set, provider and lane queue, ``extra``, then the
         plan of every lane the provider is in, which they pump with the freed slot."""
         # A provider a reload removed has no plan: the job's lane's own then, so that a retry
@@ -317,4 +432,4 @@ class ScriptCalls:
              keys.provider(provider), queue_key, *extra),
             self._lease_ms,
         )
-        return ks, list(head)
+        return plan, ks, list(head)

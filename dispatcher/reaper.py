@@ -26,7 +26,6 @@ from redis.exceptions import RedisError, ResponseError
 from dispatcher import events, keys
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
-from dispatcher.plans import Lane
 from dispatcher.protocol import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
@@ -133,23 +132,7 @@ class Reaper:
             queue = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
             if queue in known:
                 continue
-            jobs = cast(list[bytes], await self.redis.zrange(queue, 0, BATCH - 1))
-            if not jobs:
-                continue
-            records = cast(list[bytes | None], await self.redis.hmget(keys.JOBS, jobs))
-            homes: dict[Lane, list[str]] = {}
-            for raw_job, raw in zip(jobs, records, strict=True):
-                if raw is None:
-                    continue
-                rec = decode_record(raw)
-                lane = self.calls.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
-                if rec.state == "q" and lane is not None and lane.queue != queue:
-                    homes.setdefault(lane, []).append(raw_job.decode())
-            for lane, group in homes.items():
-                n, _ = await self.calls.rehome(queue, lane, group)
-                moved += n
-            if homes:
-                log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
+            moved += await self.calls.rehome_queue(queue, BATCH)
         return moved
 
     async def refuse_unavailable(self) -> int:

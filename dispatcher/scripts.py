@@ -21,7 +21,7 @@ from redis.commands.core import AsyncScript
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake")
+         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -89,6 +89,13 @@ class Scripts:
         self.refuse = Script(redis, fast, "refuse")
         self.rehome = Script(redis, fast, "rehome")
         self.wake = Script(redis, fast, "wake")
+        self.plan = Script(redis, fast, "plan")
+        self.abandon = Script(redis, fast, "abandon")
+
+    @property
+    def redis(self) -> Redis:
+        """The client the scripts were registered on (for the plain reads around them)."""
+        return self._redis
 
     def all(self) -> list[Script]:
         return [getattr(self, name) for name in NAMES]

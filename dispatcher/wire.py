@@ -33,6 +33,49 @@ class SubmitOptions(msgspec.Struct, frozen=True):
 encode = msgspec.json.Encoder().encode
 
 
+# --- the dispatch plan (``lua/lib/pump.lua``; built by ``dispatcher/plans.py``) -------------
+# Key fields (``*_key``, ``queue``, and the header's flow control keys) are positions in the
+# plan's key list: the script finds the key at ``KEYS[offset + position]``.
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """A provider of a lane."""
+
+    provider: str
+    served: str  # the model's name on that provider (the dispatch rewrites the body to it)
+    provider_key: int
+    node_key: int  # the node stream its worker reads
+    node: str
+    endpoints: str  # ',chat/completions,rerank,': the endpoints it serves, for a job's check
+
+
+class LaneSpec(msgspec.Struct, frozen=True):
+    """One lane of a plan: a queue and the providers that take its jobs."""
+
+    model: str
+    name: str  # "" for the lane of all the model's providers in the default band
+    queue: int
+    band: int  # rank, 0 first
+    hold_ms: int  # the model's hold_when_unavailable_ms
+    candidates: list[Candidate]
+
+
+class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a pumping script reads first (field '' of the plan hash)."""
+
+    fair: bool = False  # flow control: tenants, weights, bands
+    capped: bool = False  # some tenant has a max_in_flight (else no job's tenant is looked at)
+    # Flow control's keys: tenant counters, tenant limits, each band's virtual time, each
+    # tenant's finish tag; and the prefix of a tenant's parked-jobs keys.
+    tenants: int = 0
+    limits: int = 0
+    vtime: int = 0
+    ftags: int = 0
+    park: str = ""
+    # A plan of one lane carries it here, and has no lane fields or set: one read.
+    only: LaneSpec | None = None
+
+
 class Refusal(msgspec.Struct, frozen=True):
     """How ``lib/pump.lua`` ``refuse_unavailable`` answers the jobs of a lane with no provider
     that can take work (``heartbeat.lua``, ``drain.lua``, ``refuse.lua``)."""

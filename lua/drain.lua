@@ -5,15 +5,16 @@
 -- outlives them (and a mark set before the provider's first heartbeat holds from its start).
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
--- KEYS[6]    provider hash   KEYS[..] plan keys of the provider's groups
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- KEYS[6]    provider hash   KEYS[..] plan keys of the provider's lanes
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    'drain': set the mark (one already set keeps its time)
---            | 'resume': clear it, then pump the provider's groups, so waiting jobs take its
+--            | 'resume': clear it, then pump the provider's lanes, so waiting jobs take its
 --            free slots now rather than at its next heartbeat
 -- ARGV[5]    refusal options, JSON (dispatcher/wire.py Refusal): a drain that leaves a lane
 --            with no provider answers its waiting jobs at once (lib/pump.lua refuse_unavailable)
 -- Returns {mark ('' when open), in_flight, jobs dispatched}
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 local PROVIDER = KEYS[6]

@@ -1,14 +1,14 @@
 -- finish: a worker is done with a job (answered, failed or aborted). Writes the final
 -- event, gives the slot back, acknowledges the node stream entry, then pumps every
--- group the provider serves so the freed slot goes to the oldest waiting job.
+-- lane the provider serves so the freed slot goes to the oldest waiting job.
 -- Fenced: a worker whose dispatch was taken over (its lease expired) changes nothing
 -- but its own delivery's acknowledgement.
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
 -- KEYS[9]    provider hash   KEYS[10] the job's lane queue
--- KEYS[..]   plan keys of the provider's groups
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- KEYS[..]   plan keys of the provider's lanes
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
 -- ARGV[7]    consumer group     ARGV[8] final event ('' = none: nobody is listening)
 -- ARGV[9]    reply stream TTL ms
@@ -26,6 +26,7 @@
 -- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
 -- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]

@@ -5,10 +5,11 @@
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[..]   plan keys of every lane
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    refusal options, JSON (dispatcher/wire.py Refusal)
 -- Returns the number of jobs refused
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 return refuse_plan(now_ms(), cjson.decode(ARGV[4]))

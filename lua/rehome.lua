@@ -8,10 +8,11 @@
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[6]    the old queue   KEYS[7] the new queue (the plan's lane)
 -- KEYS[..]   plan keys of the new lane
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    the new lane's name     ARGV[5..] job ids
 -- Returns {moved, dispatched}; a job no longer waiting in the old queue is left alone
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 local OLD, NEW = KEYS[6], KEYS[7]
@@ -22,7 +23,7 @@ for i = 5, #ARGV do
   local rec = score and get_record(job)
   if rec and rec.st == 'q' then
     redis.call('ZREM', OLD, job)
-    redis.call('ZADD', NEW, score, job)
+    enqueue(NEW, score, job)
     rec.ln = ARGV[4] ~= '' and ARGV[4] or nil
     -- Its API still names the queue it submitted to: cancel.lua removes it from this one.
     rec.qk = NEW

@@ -1,12 +1,13 @@
 -- submit: put a job in its lane's queue (dispatcher/plans.py), then pump that lane.
--- A free slot means the job is dispatched in this same call.
+-- A free slot means the job is dispatched in this same call. The plan is the lane's own
+-- (one lane: PLAN.only, lib/pump.lua).
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
--- KEYS[6]    seq counter: global submit order, so heads of different groups compare exactly
+-- KEYS[6]    seq counter: global submit order, so heads of different lanes compare exactly
 -- KEYS[7]    the lane's queue zset (job id -> seq)
 -- KEYS[8]    the replica's job set (so the reaper can cancel a dead replica's jobs)
--- KEYS[..]   plan keys of the group (from ARGV[2] on)
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- KEYS[..]   plan keys of the lane (from ARGV[2] on)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    options, JSON (dispatcher/wire.py SubmitOptions):
 --              job, model, replica, endpoint, stream (0/1), lane ('' for the lane of all the
 --              model's providers), timeout_ms (queue), max_queue,
@@ -19,11 +20,14 @@
 --   'dispatched' | 'queued' | 'full' (refused: max_queue jobs already wait) | 'duplicate'
 --   | 'unavailable' (pinned, and the provider is down) | 'tenant_full' (its tenant has
 --   max_queued jobs waiting) | 'no_provider' (none of the lane's providers can take work,
---   and the lane holds nothing: plan field h, hold_when_unavailable_ms, is 0); why: each provider's reason, for the two refusals
+--   and the lane holds nothing: its hold_ms, the model's hold_when_unavailable_ms, is 0); why: each
+--   provider's reason, for the two refusals
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 local SEQ, QUEUE, REPLICA_JOBS = KEYS[6], KEYS[7], KEYS[8]
+local LANE = PLAN.only
 local opts = cjson.decode(ARGV[4])
 local job, body, model, replica = opts.job, ARGV[5], opts.model, opts.replica
 local timeout_ms, max_queue = opts.timeout_ms, opts.max_queue
@@ -34,7 +38,7 @@ end
 
 local now = now_ms()
 if opts.pinned then
-  local why = unavailable_lane(GROUPS[1], now)
+  local why = unavailable_lane(LANE, now)
   if why ~= nil then
     return {'unavailable', 0, 0, now, why}
   end
@@ -54,7 +58,7 @@ if FAIR ~= nil then
   local weight = opts.weight
   ftag = tenant
   old_f = redis.call('HGET', FAIR.f, ftag)
-  local v = tonumber(redis.call('HGET', FAIR.v, 'band:' .. GROUPS[1].b) or '0') or 0
+  local v = tonumber(redis.call('HGET', FAIR.v, 'band:' .. LANE.band) or '0') or 0
   local f = tonumber(old_f or '0') or 0
   if (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant) or '0') or 0) == 0 then
     f = math.min(f, v + 1 / weight)
@@ -67,7 +71,7 @@ local deadline = now + timeout_ms
 local rec = {
   m = model, rep = replica, st = 'q', seq = seq, d = deadline, to = timeout_ms,
   t0 = now, a = 1, ep = opts.endpoint, s = opts.stream, ln = opts.lane ~= '' and opts.lane or nil,
-  tn = tenant, sc = score, pin = opts.pinned and GROUPS[1].c[1][1] or nil,
+  tn = tenant, sc = score, pin = opts.pinned and LANE.candidates[1].provider or nil,
 }
 put_record(job, rec)
 count(rec, 'q', 1)
@@ -80,7 +84,7 @@ pump(now)
 
 local waiting = redis.call('ZCARD', QUEUE)
 local in_queue = redis.call('ZSCORE', QUEUE, job)
-if not in_queue and FAIR ~= nil and PLAN.cap and (get_record(job) or {}).st == 'q' then
+if not in_queue and FAIR ~= nil and PLAN.capped and (get_record(job) or {}).st == 'q' then
   -- Parked by that pump (its tenant at its max_in_flight: lib/pump.lua park_job): it waits
   -- too, with its deadline.
   return {'queued', waiting, deadline, now}
@@ -91,8 +95,8 @@ if in_queue then
   if waiting > max_queue then
     status = 'full'
   else
-    why = unavailable_lane(GROUPS[1], now)
-    if why ~= nil and GROUPS[1].h == 0 then status = 'no_provider' end
+    why = unavailable_lane(LANE, now)
+    if why ~= nil and LANE.hold_ms == 0 then status = 'no_provider' end
   end
   if status ~= nil then
     redis.call('ZREM', QUEUE, job)
@@ -107,9 +111,12 @@ if in_queue then
   if why ~= nil then
     -- Held through a restart (the lane's hold_when_unavailable_ms): refused once the hold
     -- is over and still no provider is up (lib/pump.lua refuse_unavailable).
-    rec.hu = now + GROUPS[1].h
+    rec.hu = now + LANE.hold_ms
     put_record(job, rec)
   end
+  -- It waits: its lane goes in the index of lanes that hold jobs (lib/pump.lua enqueue;
+  -- one dispatched at once needs no mark).
+  redis.call('SADD', WAITING, QUEUE)
   return {'queued', waiting, deadline, now}
 end
 return {'dispatched', waiting, deadline, now}

@@ -4,9 +4,10 @@
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[..]   plan keys of the lanes
--- ARGV[1..3] plan, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- Returns the number of jobs dispatched
 --!include lib/jobs.lua
+--!include lib/parking.lua
 --!include lib/pump.lua
 
 return pump(now_ms())

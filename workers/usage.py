@@ -19,9 +19,27 @@ Each endpoint reports them its own way; what is read here:
 Anything else counts nothing. Only answers to the endpoint's own POST count (not a
 retrieve of a stored Response), and only 2xx JSON answers are decoded at all; a stream's
 chunk is decoded only when its bytes hold ``"usage"``.
+
+Of the prompt tokens, how many the runtime served from its prefix cache
+(:func:`cached_tokens_of`, the feedback for cache-aware dispatch, ``dispatcher/affinity.py``):
+
+* OpenAI, vLLM (``--enable-prompt-tokens-details``), SGLang (``--enable-cache-report``),
+  llama.cpp's OpenAI endpoints -- ``usage.prompt_tokens_details.cached_tokens``; the
+  Responses API's ``usage.input_tokens_details.cached_tokens``.
+* Anthropic (and llama.cpp's Messages) -- ``usage.cache_read_input_tokens``; DeepSeek's
+  ``usage.prompt_cache_hit_tokens``.
+* In a stream, the same ``usage`` wherever the usage above is read (a Responses event's
+  ``response``, ``message_start``'s ``message``).
+* llama.cpp -- ``timings.cache_n`` (its answers and final chunks carry ``timings``). Not
+  the top-level ``tokens_cached`` of its ``/completion`` answers: that is every token
+  the slot holds once the answer is done (``slot.n_past``: prompt plus generated
+  tokens, cache hit or not), no measure of what the cache saved.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -199,3 +217,38 @@ def _without_null_usage(payload: bytes) -> bytes:
         return payload
     del obj["usage"]
     return msgspec.json.encode(obj)
+
+
+def _count(value: object) -> int | None:
+    """A token count as a provider reports it: an integer, not negative (nor a bool)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _cached_in_usage(usage: object) -> int | None:
+    if not isinstance(usage, Mapping):
+        return None
+    for details in ("prompt_tokens_details", "input_tokens_details"):
+        held = usage.get(details)
+        if isinstance(held, Mapping) and (n := _count(held.get("cached_tokens"))) is not None:
+            return n
+    for key in ("cache_read_input_tokens", "prompt_cache_hit_tokens"):
+        if (n := _count(usage.get(key))) is not None:
+            return n
+    return None
+
+
+def cached_tokens_of(payload: Mapping[str, Any]) -> int | None:
+    """How many prompt tokens the runtime served from its cache, as a decoded JSON answer
+    or stream chunk says it (see the module's docstring); None where it says nothing
+    (0 is a report: a prompt computed in full)."""
+    if not isinstance(payload, Mapping):
+        return None
+    for holder in (payload, payload.get("response"), payload.get("message")):
+        if isinstance(holder, Mapping) and (n := _cached_in_usage(holder.get("usage"))) is not None:
+            return n
+    timings = payload.get("timings")
+    if isinstance(timings, Mapping):
+        return _count(timings.get("cache_n"))
+    return None

@@ -5,7 +5,7 @@
 --   KEYS[2] bodies hash    job id -> request body (kept until the job ends, for redispatch)
 --   KEYS[3] leases zset    job id -> lease expiry ms: the proof that a slot is held
 --   KEYS[4] deadlines zset job id -> queue deadline ms (jobs waiting or expired in a queue)
--- Record states: 'q' waiting in its group queue, 'd' dispatched (holds a lease),
+-- Record states: 'q' waiting in its lane queue, 'd' dispatched (holds a lease),
 -- 'c' dispatched and cancel requested, 'x' expired in the queue. A finished job has no record.
 -- Time comes from the server (TIME), never from a client clock.
 
@@ -59,34 +59,4 @@ local function release_slot(job, pkey, rec)
     return true
   end
   return false
-end
-
--- A dispatched job lost its worker (lease ran out, or the worker shut down mid-job); its
--- slot is already released. If none of its output reached the client and attempts are
--- left, it goes back to its original place in its queue, with a fresh deadline, and its
--- API is told at once (`requeued_event`) so it re-arms its queue timer: the caller then
--- pumps. Otherwise its client gets `event` (unless the client had left).
--- Returns 'requeued' | 'failed' | 'dropped'.
-local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, requeued_event,
-                           reply_ttl_ms, now)
-  if rec.st == 'c' then
-    drop_job(job, rj_key)
-    return 'dropped'
-  end
-  if rec.o ~= 1 and rec.a < max_attempts then
-    rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
-    rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
-    put_record(job, rec)
-    -- Its score (the seq, or its fair-queuing tag) keeps it ahead of everything after it.
-    redis.call('ZADD', queue_key, string.format('%.17g', rec.sc or rec.seq), job)
-    count(rec, 'q', 1)
-    redis.call('ZADD', DEADLINES, rec.d, job)
-    redis.call('XADD', reply_key, '*', 'j', job, 'e', requeued_event)
-    redis.call('PEXPIRE', reply_key, reply_ttl_ms)
-    return 'requeued'
-  end
-  redis.call('XADD', reply_key, '*', 'j', job, 'e', event)
-  redis.call('PEXPIRE', reply_key, reply_ttl_ms)
-  drop_job(job, rj_key)
-  return 'failed'
 end

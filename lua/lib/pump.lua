@@ -1,21 +1,22 @@
 -- The dispatch step, shared by every script that may hand out slots (included after
--- lib/jobs.lua by scripts.py, never run alone).
+-- lib/jobs.lua by scripts.py, never run alone). In four parts: the plan and its lanes,
+-- providers, the ordering of lane heads (FIFO or fair), dispatch; then the pump, a short
+-- loop over them, and what a release or a dead provider sets off (parking, refusals).
 --
 -- A script that includes this file takes, besides KEYS[1..4] of lib/jobs.lua:
---   KEYS[5] fence counter  one INCR per dispatch (floored at 10 x server ms): the fencing token
---   ARGV[1] plan: JSON list of lanes {"m": model, "l": lane, "q": qkey, "c": [[provider, served, pkey, nkey, node,
---           endpoints], ...], "h": hold_when_unavailable_ms of the model}, endpoints: ',a,b,' the ones it serves
---           where qkey/pkey/nkey are key positions relative to ARGV[2]; or, with flow control
---           (tenants, bands), {"g": [lane, ...], "t": tkey, "lim": lkey, "v": vkey, "f": fkey, "cap": bool}
---           where each lane also has "b", its band's rank (0 first), and
---             tkey  tenants hash: q:<tenant>[:<model>] waiting, r:<tenant>[:<model>] running
---             lkey  tenant limits hash: <tenant> -> max_in_flight
---             vkey  virtual time hash: 'band:<rank>' -> the tag of the band's last dispatch
---             fkey  finish tag hash: tenant -> where its next job's tag starts
---             cap   some tenant has a max_in_flight (else no job's tenant is looked at)
---             pk    the prefix of a tenant's parked-jobs key (park_job)
---   ARGV[2] offset of the plan's keys in KEYS
---   ARGV[3] lease ms given to a fresh dispatch
+--   KEYS[5]   fence counter  one INCR per dispatch (floored at 10 x server ms): the fencing token
+--   ARGV[1]   the plan's id (dispatcher/plans.py: a digest of its content)
+--   ARGV[2]   offset of the plan's keys in KEYS: KEYS[offset + 1] the plan hash, + 2 the set
+--             of its lane queue keys, + 3 the index of lanes that may hold jobs; then the
+--             keys its lanes name by position (queues, providers, nodes, flow control's)
+--   ARGV[3]   lease ms given to a fresh dispatch
+--
+-- The plan lives in Redis, written once by whichever process first needs it
+-- (lua/plan.lua), so a call sends its id, not its lanes: a provider in 240 lanes would
+-- otherwise send and decode them all on every finish. Its hash holds field '' -> the
+-- header (dispatcher/wire.py PlanHeader) and <queue key> -> that lane (wire.LaneSpec).
+-- A call whose plan is missing (a new Redis, a failover that lost it, its TTL) changes
+-- nothing and fails 'NOPLAN': the caller writes the plan and calls again.
 --
 -- Flow control is start-time fair queuing per band: a job's score is its tag,
 -- max(V, F[tenant]), and F[tenant] moves on by 1/weight; V is the tag of the band's last
@@ -25,92 +26,101 @@
 -- is V: it waits behind at most one round, not behind a flood. Without flow control the
 -- score is the global submit sequence (plain FIFO).
 
+-- ---- The plan and its lanes ------------------------------------------------------------
+
+local PLAN_ID, BASE, LEASE_MS = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local FENCE = KEYS[5]
-local PLAN = cjson.decode(ARGV[1])
-local GROUPS = PLAN
+local PLAN_KEY, PLAN_LANES, WAITING = KEYS[BASE + 1], KEYS[BASE + 2], KEYS[BASE + 3]
+local PLAN_RAW = redis.call('HGET', PLAN_KEY, '')
+if not PLAN_RAW then
+  return redis.error_reply('NOPLAN plan ' .. PLAN_ID .. ' is not in Redis')
+end
+local PLAN = cjson.decode(PLAN_RAW)
+-- Flow control's keys (nil without it: no tenant is looked at).
 local FAIR = nil
-if PLAN.g ~= nil then
-  local b = tonumber(ARGV[2])
-  GROUPS = PLAN.g
-  FAIR = {lim = KEYS[b + PLAN.lim], v = KEYS[b + PLAN.v], f = KEYS[b + PLAN.f], park = PLAN.pk}
-  TENANTS = KEYS[b + PLAN.t]
+if PLAN.fair then
+  FAIR = {lim = KEYS[BASE + PLAN.limits], v = KEYS[BASE + PLAN.vtime], f = KEYS[BASE + PLAN.ftags],
+          park = PLAN.park}
+  TENANTS = KEYS[BASE + PLAN.tenants]
 end
 -- Jobs one call parks at most (the rest at the next call): bounds a call's length when a
 -- capped tenant's flood reaches the head of a lane.
 local PARK_BUDGET = 256
 -- Jobs of a lane one call passes over because only busy providers may run them.
 local BLOCKED_SKIPS = 16
+-- Waiting jobs one call drops because their deadline passed (their APIs collect them).
+local EXPIRE_BUDGET = 64
 
 -- A number as Redis should store it: every digit a double has.
 local function num(x)
   return string.format('%.17g', x)
 end
 
--- The tenant of a flow-controlled job id ('<tenant>~<id>').
-local function tenant_of(job)
-  return string.match(job, '^(.-)~') or 'default'
-end
--- Can this provider take work now (healthy, heard from, a capacity, not drained by an
--- operator: lua/drain.lua)?
-local function provider_ok(pkey, now)
-  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain')
-  return v[1] == 'available' and (tonumber(v[2]) or 0) >= now and (tonumber(v[3]) or 0) > 0
-    and (v[4] or '') == ''
+-- The queue key of a lane.
+local function queue_of(lane)
+  return KEYS[BASE + lane.queue]
 end
 
--- Parking (flow control): a tenant at its max_in_flight cannot run the jobs it has waiting,
--- so they leave their lane for the tenant's parked set of that lane (key FAIR.park ..
--- tenant .. '|' .. lane key, score their tag; the tenant's index FAIR.park .. tenant lists
--- the lanes it has parked jobs in; every key in the {iop} slot). Jobs behind them run: no
--- look-ahead limit leaves capacity idle. When the tenant's running jobs drop below its
--- limit (finish, reap_lease: unpark), the earliest parked job of each of those lanes goes
--- back with its tag, ahead of what came since, so whichever lane has a free provider runs
--- it; the others are parked again when they reach a head while it is capped. A parked job
--- keeps its record, deadline and counters; one cancelled or expired meanwhile is dropped
--- when it comes back.
-local function park_job(qkey, job, tag)
-  local t = tenant_of(job)
-  redis.call('ZREM', qkey, job)
-  redis.call('ZADD', FAIR.park .. t .. '|' .. qkey, string.format('%.17g', tag), job)
-  redis.call('SADD', FAIR.park .. t, qkey)
+-- The plan's lane queued at `qkey` (nil if it has none), read once per call.
+local lane_cache = {}
+local function lane_at(qkey)
+  if PLAN.only then
+    if queue_of(PLAN.only) == qkey then return PLAN.only end
+    return nil
+  end
+  local lane = lane_cache[qkey]
+  if lane == nil then
+    local raw = redis.call('HGET', PLAN_KEY, qkey)
+    lane = raw and cjson.decode(raw) or false
+    lane_cache[qkey] = lane
+  end
+  return lane or nil
 end
 
--- Bring back the earliest parked job of each lane tenant `t` has parked jobs in (see
--- park_job); returns the queue keys they went back to.
-local function unpark(t)
-  local index = FAIR.park .. t
+-- The plan's lanes that may hold jobs. The index WAITING has every lane a job was put in
+-- (enqueue) until a pump finds it empty, so lanes with nothing waiting cost nothing: a
+-- finish with every queue empty makes one SINTER, however many lanes its provider is in.
+-- A plan of one lane reads its queue instead (as cheap as the index).
+local function lanes_with_jobs()
+  if PLAN.only then return {PLAN.only} end
+  local queues = redis.call('SINTER', PLAN_LANES, WAITING)
   local lanes = {}
-  for _, qkey in ipairs(redis.call('SMEMBERS', index)) do
-    local key = index .. '|' .. qkey
-    while true do
-      local h = redis.call('ZPOPMIN', key)
-      if #h == 0 then
-        redis.call('SREM', index, qkey)
-        break
-      end
-      local rec = get_record(h[1])
-      if rec and rec.st == 'q' then
-        redis.call('ZADD', qkey, h[2], h[1])
-        lanes[#lanes + 1] = qkey
-        if redis.call('EXISTS', key) == 0 then redis.call('SREM', index, qkey) end
-        break
+  for i = 1, #queues, 500 do
+    local specs = redis.call('HMGET', PLAN_KEY, unpack(queues, i, math.min(i + 499, #queues)))
+    for j, raw in ipairs(specs) do
+      if raw then
+        local lane = cjson.decode(raw)
+        lane_cache[queues[i + j - 1]] = lane
+        lanes[#lanes + 1] = lane
       end
     end
   end
   return lanes
 end
 
--- A job of record `rec` gave its slot back: if that takes its tenant under its
--- max_in_flight, its parked jobs come back (before the pump that follows). Returns the
--- queue keys they went back to: the caller has those of them its plan lacks pumped
--- (lua/wake.lua), since the provider that freed may not serve them.
-local function released(rec)
-  if FAIR == nil or not PLAN.cap or rec.tn == nil then return {} end
-  local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tn) or '')
-  if lim == nil then return {} end
-  local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0
-  if run < lim then return unpark(rec.tn) end
-  return {}
+-- Put a job in a lane's queue with its score (its place: submit sequence or fair tag).
+local function enqueue(qkey, score, job)
+  redis.call('ZADD', qkey, score, job)
+  redis.call('SADD', WAITING, qkey)
+end
+
+-- A lane found empty leaves the index (it comes back with its next job: enqueue).
+local function emptied(qkey)
+  if not PLAN.only then redis.call('SREM', WAITING, qkey) end
+end
+
+-- ---- Providers -------------------------------------------------------------------------
+
+-- The one health predicate: can provider hash `v` (health, hb_exp, capacity, drain) take
+-- work now -- healthy, heard from, a capacity, not drained by an operator (lua/drain.lua)?
+-- dispatcher/catalog.py classify says the same in Python.
+local function takes_work(v, now)
+  return v[1] == 'available' and (tonumber(v[2]) or 0) >= now and (tonumber(v[3]) or 0) > 0
+    and (v[4] or '') == ''
+end
+
+local function provider_ok(pkey, now)
+  return takes_work(redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain'), now)
 end
 
 -- Why a provider cannot take work now, in words ('' when it can; nil when it cannot but may
@@ -137,41 +147,137 @@ local function unavailable_reason(pkey, now, silent_is_down)
   return ''
 end
 
--- nil when some provider of lane `g` can take work (or may be about to: unavailable_reason);
+-- nil when some provider of `lane` can take work (or may be about to: unavailable_reason);
 -- otherwise each one's reason, in words.
-local function unavailable_lane(g, now, silent_is_down)
-  local base = tonumber(ARGV[2])
+local function unavailable_lane(lane, now, silent_is_down)
   local why = {}
-  for _, c in ipairs(g.c) do
-    local r = unavailable_reason(KEYS[base + c[3]], now, silent_is_down)
+  for _, cand in ipairs(lane.candidates) do
+    local r = unavailable_reason(KEYS[BASE + cand.provider_key], now, silent_is_down)
     if r == nil or r == '' then return nil end
-    why[#why + 1] = c[1] .. ': ' .. r
+    why[#why + 1] = cand.provider .. ': ' .. r
   end
   if #why == 0 then return 'none of its providers is in the config' end
   return table.concat(why, '; ')
 end
 
--- Answer at once, 503, the jobs waiting in lane `g` when none of its providers can take
+-- May candidate `cand` run the job of record `rec`: does it serve the job's endpoint, and is
+-- it the provider the job is pinned to, if any? Checked at dispatch whatever the lane: after
+-- a reload a lane's key may stand for other providers than when the job was queued.
+local function serves(cand, rec)
+  if rec.pin ~= nil and rec.pin ~= cand.provider then return false end
+  return string.find(cand.endpoints, ',' .. rec.ep .. ',', 1, true) ~= nil
+end
+
+-- Is provider `pid` one the job must not go to again (it failed the job before)?
+local function excluded(rec, pid)
+  if rec == nil or rec.x == nil then return false end
+  for _, p in ipairs(rec.x) do
+    if p == pid then return true end
+  end
+  return false
+end
+
+-- Could a provider of the lane queued at `qkey` other than those `rec` excludes take the
+-- job (is one healthy)? Busy is fine: the job waits for it.
+local function other_candidate(qkey, rec, now)
+  local lane = lane_at(qkey)
+  if lane == nil then return false end
+  for _, cand in ipairs(lane.candidates) do
+    if not excluded(rec, cand.provider) and serves(cand, rec) and provider_ok(KEYS[BASE + cand.provider_key], now) then
+      return true
+    end
+  end
+  return false
+end
+
+-- ---- Tenants: counters, limits, parking ------------------------------------------------
+
+-- The tenant of a flow-controlled job id ('<tenant>~<id>').
+local function tenant_of(job)
+  return string.match(job, '^(.-)~') or 'default'
+end
+
+-- Parking (flow control): lib/parking.lua.
+local function park_job(qkey, job, tag)
+  park(FAIR.park, qkey, job, num(tag))
+end
+
+local function unpark(t)
+  return unpark_tenant(FAIR.park, t, WAITING)
+end
+
+-- A job of record `rec` gave its slot back: if that takes its tenant under its
+-- max_in_flight, its parked jobs come back (before the pump that follows). Returns the
+-- queue keys they went back to: the caller has those of them its plan lacks pumped
+-- (lua/wake.lua), since the provider that freed may not serve them.
+local function released(rec)
+  if FAIR == nil or not PLAN.capped or rec.tn == nil then return {} end
+  local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tn) or '')
+  if lim == nil then return {} end
+  local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0
+  if run < lim then return unpark(rec.tn) end
+  return {}
+end
+
+-- A dispatched job lost its worker (lease ran out, or the worker shut down mid-job); its
+-- slot is already released. If none of its output reached the client and attempts are
+-- left, it goes back to its original place in its queue, with a fresh deadline, and its
+-- API is told at once (`requeued_event`) so it re-arms its queue timer: the caller then
+-- pumps. Otherwise its client gets `event` (unless the client had left).
+-- Returns 'requeued' | 'failed' | 'dropped'.
+local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, requeued_event,
+                           reply_ttl_ms, now)
+  if rec.st == 'c' then
+    drop_job(job, rj_key)
+    return 'dropped'
+  end
+  if rec.o ~= 1 and rec.a < max_attempts then
+    rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
+    rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
+    -- Where it waits now: its caller may have chosen another lane than the one it was
+    -- submitted to (a reload took that key away), and cancel.lua removes it from this one.
+    rec.qk = queue_key
+    put_record(job, rec)
+    -- Its score (the seq, or its fair-queuing tag) keeps it ahead of everything after it.
+    enqueue(queue_key, num(rec.sc or rec.seq), job)
+    count(rec, 'q', 1)
+    redis.call('ZADD', DEADLINES, rec.d, job)
+    redis.call('XADD', reply_key, '*', 'j', job, 'e', requeued_event)
+    redis.call('PEXPIRE', reply_key, reply_ttl_ms)
+    return 'requeued'
+  end
+  redis.call('XADD', reply_key, '*', 'j', job, 'e', event)
+  redis.call('PEXPIRE', reply_key, reply_ttl_ms)
+  drop_job(job, rj_key)
+  return 'failed'
+end
+
+-- ---- Refusals: lanes left with no provider ---------------------------------------------
+
+-- Answer at once, 503, the jobs waiting in `lane` when none of its providers can take
 -- work (down, drained, unheard-of), rather than at their queue deadline: a caller learns
 -- that the server is down in one round trip. A lane that holds jobs through a provider
--- restart (g.h, the model's hold_when_unavailable_ms) refuses a job only g.h ms after it
--- was first seen with no provider (rec.hu). `refusal`: {reply, replica_jobs}
--- key prefixes (the job's replica completes them: every key shares the {iop} slot),
--- ttl_ms of a reply stream, limit of jobs refused per call, silent_is_down (see
--- unavailable_reason). Returns the number refused.
-local function refuse_unavailable(g, now, refusal)
-  local qkey = KEYS[tonumber(ARGV[2]) + g.q]
-  if redis.call('ZCARD', qkey) == 0 then return 0 end
-  local why = unavailable_lane(g, now, refusal.silent_is_down)
+-- restart (lane.hold_ms, the model's hold_when_unavailable_ms) refuses a job only that long
+-- after it was first seen with no provider (rec.hu). `refusal` (dispatcher/wire.py
+-- Refusal): reply and replica_jobs key prefixes (the job's replica completes them: every
+-- key shares the {iop} slot), ttl_ms of a reply stream, limit of jobs refused per call,
+-- silent_is_down (see unavailable_reason). Returns the number refused.
+local function refuse_unavailable(lane, now, refusal)
+  local qkey = queue_of(lane)
+  if redis.call('ZCARD', qkey) == 0 then
+    emptied(qkey)
+    return 0
+  end
+  local why = unavailable_lane(lane, now, refusal.silent_is_down)
   if why == nil then return 0 end
   local refused = 0
   for _, job in ipairs(redis.call('ZRANGE', qkey, 0, refusal.limit - 1)) do
     local rec = get_record(job)
     if rec == nil then
       redis.call('ZREM', qkey, job)
-    elseif rec.hu == nil and g.h > 0 then
+    elseif rec.hu == nil and lane.hold_ms > 0 then
       -- Its hold starts when it is first seen with no provider.
-      rec.hu = now + g.h
+      rec.hu = now + lane.hold_ms
       put_record(job, rec)
     elseif (rec.hu or 0) <= now then
       redis.call('ZREM', qkey, job)
@@ -194,81 +300,49 @@ local function refuse_unavailable(g, now, refusal)
   return refused
 end
 
--- refuse_unavailable over every lane of the plan.
+-- refuse_unavailable over every lane of the plan that holds jobs.
 local function refuse_plan(now, refusal)
   local refused = 0
-  for _, g in ipairs(GROUPS) do refused = refused + refuse_unavailable(g, now, refusal) end
+  for _, lane in ipairs(lanes_with_jobs()) do refused = refused + refuse_unavailable(lane, now, refusal) end
   return refused
 end
 
--- May candidate `c` run the job of record `rec`: does it serve the job's endpoint, and is it
--- the provider the job is pinned to, if any? Checked at dispatch whatever the lane: after a
--- reload a lane's key may stand for other providers than when the job was queued.
-local function serves(c, rec)
-  if rec.pin ~= nil and rec.pin ~= c[1] then return false end
-  return c[6] == nil or string.find(c[6], ',' .. rec.ep .. ',', 1, true) ~= nil
-end
+-- ---- The pump --------------------------------------------------------------------------
 
--- Is provider `pid` one the job must not go to again (it failed the job before)?
-local function excluded(rec, pid)
-  if rec == nil or rec.x == nil then return false end
-  for _, p in ipairs(rec.x) do
-    if p == pid then return true end
-  end
-  return false
-end
-
--- Could a provider of the lane queued at `qkey` other than those `rec` excludes take the
--- job (is one healthy)? Busy is fine: the job waits for it.
-local function other_candidate(qkey, rec, now)
-  local base = tonumber(ARGV[2])
-  for _, g in ipairs(GROUPS) do
-    if KEYS[base + g.q] == qkey then
-      for _, c in ipairs(g.c) do
-        if not excluded(rec, c[1]) and serves(c, rec) and provider_ok(KEYS[base + c[3]], now) then return true end
-      end
-    end
-  end
-  return false
-end
-
--- Hand out free slots to waiting jobs: oldest head first across the plan's groups, each
--- to the candidate with the lowest in_flight/capacity. Returns the number dispatched.
+-- Hand out free slots to waiting jobs: the first head across the plan's lanes in the
+-- ordering (band, then fair tag; or submit order), each to the candidate with the lowest
+-- in_flight/capacity. Each lane's head is read once per call, and again only after the
+-- lane gave one up. Returns the number dispatched.
 local function pump(now)
-  local groups = GROUPS
-  local base = tonumber(ARGV[2])
-  local lease_ms = tonumber(ARGV[3])
-  local pstate = {}
-  local expire_budget = 64
+  local lanes = lanes_with_jobs()
+  if #lanes == 0 then return 0 end
 
+  -- Providers: their state, read once per call and kept up to date by dispatch.
+  local pstate = {}
   local function state(pkey)
     local s = pstate[pkey]
     if s == nil then
-      local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'in_flight', 'drain')
-      local cap = tonumber(v[3]) or 0
-      s = {
-        ok = v[1] == 'available' and (tonumber(v[2]) or 0) >= now and cap > 0 and (v[5] or '') == '',
-        cap = cap,
-        inf = tonumber(v[4]) or 0,
-      }
+      local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'in_flight')
+      s = {ok = takes_work(v, now), cap = tonumber(v[3]) or 0, inf = tonumber(v[5]) or 0}
       pstate[pkey] = s
     end
     return s
   end
 
-  -- Lowest in_flight/capacity, compared exactly as a*d < c*b; ties: lower in_flight, then provider id.
-  -- `rec`: the job's record, when known: only candidates that may run it (serves, excluded).
-  local function pick(g, rec)
+  -- The lane's candidate with the lowest in_flight/capacity, compared exactly as
+  -- a*d < c*b; ties: lower in_flight, then provider id. `rec`: the job's record, when
+  -- known: only candidates that may run it (serves, excluded).
+  local function pick(lane, rec)
     local best, bs
-    for _, c in ipairs(g.c) do
-      local s = state(KEYS[base + c[3]])
-      if s.ok and s.inf < s.cap and (rec == nil or (serves(c, rec) and not excluded(rec, c[1]))) then
+    for _, cand in ipairs(lane.candidates) do
+      local s = state(KEYS[BASE + cand.provider_key])
+      if s.ok and s.inf < s.cap and (rec == nil or (serves(cand, rec) and not excluded(rec, cand.provider))) then
         if best == nil then
-          best, bs = c, s
+          best, bs = cand, s
         else
           local l, r = s.inf * bs.cap, bs.inf * s.cap
-          if l < r or (l == r and (s.inf < bs.inf or (s.inf == bs.inf and c[1] < best[1]))) then
-            best, bs = c, s
+          if l < r or (l == r and (s.inf < bs.inf or (s.inf == bs.inf and cand.provider < best.provider))) then
+            best, bs = cand, s
           end
         end
       end
@@ -276,9 +350,9 @@ local function pump(now)
     return best
   end
 
-  -- The oldest waiting job of a group, dropping heads whose deadline passed. An expired job
-  -- keeps its record (state 'x') and its deadline entry until its API collects it.
-  -- Take a job whose deadline passed out of its queue (false once the call's budget is spent).
+  -- Lane heads. A job whose deadline passed leaves its queue on the way (state 'x': it
+  -- keeps its record and its deadline entry until its API collects it).
+  local expire_budget = EXPIRE_BUDGET
   local function expire(qkey, job)
     if expire_budget == 0 then return false end
     expire_budget = expire_budget - 1
@@ -293,81 +367,105 @@ local function pump(now)
     return true
   end
 
-  -- The lane's first waiting job past the `g.skip` ones this call found blocked.
-  local function head(g)
-    local qkey = KEYS[base + g.q]
-    local skip = g.skip or 0
-    while true do
-      local h = redis.call('ZRANGE', qkey, skip, skip, 'WITHSCORES')
-      if #h == 0 then return nil end
-      local dl = tonumber(redis.call('ZSCORE', DEADLINES, h[1]))
-      if dl == nil or dl > now then return h[1], tonumber(h[2]) end
-      if not expire(qkey, h[1]) then return nil end
+  -- The lane's first waiting job past the `skip` ones this call found blocked, and its score.
+  -- Its deadline is looked at only when it is the one to run (live): one read per lane.
+  local function first(lane, skip)
+    local h = redis.call('ZRANGE', queue_of(lane), skip, skip, 'WITHSCORES')
+    if #h == 0 then
+      if skip == 0 then emptied(queue_of(lane)) end
+      return nil
+    end
+    return h[1], tonumber(h[2])
+  end
+
+  -- Is the head's deadline still ahead? One that passed leaves its queue (expire).
+  local function live(h)
+    local dl = tonumber(redis.call('ZSCORE', DEADLINES, h.job))
+    if dl == nil or dl > now then return true end
+    expire(queue_of(h.lane), h.job)
+    return false
+  end
+
+  -- The ordering, chosen once: FIFO by submit sequence, or (flow control) band, then fair
+  -- tag, then job id. `head(lane, skip)` is the lane's next job to run, `before(a, b)`
+  -- compares two heads {lane, job, score}, `may_run(job)` says whether a head read
+  -- earlier in the call may still run (its tenant not capped since), `dispatched(rec,
+  -- lane)` moves the clocks and counters.
+  local head, before, may_run, dispatched
+  if FAIR == nil then
+    head = first
+    before = function(a, b) return a.score < b.score end
+    may_run = function(job) return true end
+    dispatched = function(rec, lane) end
+  else
+    -- Each tenant's running jobs and limit, and each band's clock, read once per call.
+    local tstate, vtime = {}, {}
+    local function tenant(t)
+      local s = tstate[t]
+      if s == nil then
+        s = {lim = tonumber(redis.call('HGET', FAIR.lim, t) or ''),
+             run = tonumber(redis.call('HGET', TENANTS, 'r:' .. t) or '0') or 0}
+        tstate[t] = s
+      end
+      return s
+    end
+    may_run = function(job)
+      if not PLAN.capped then return true end  -- no tenant has a max_in_flight
+      local t = tenant(tenant_of(job))
+      return t.lim == nil or t.run < t.lim
+    end
+    -- A head whose tenant is at its max_in_flight is parked (park_job): the jobs behind it
+    -- surface, however many of them are capped.
+    local park_budget = PARK_BUDGET
+    head = function(lane, skip)
+      while true do
+        local job, tag = first(lane, skip)
+        if job == nil or may_run(job) then return job, tag end
+        if park_budget == 0 then return nil end
+        park_budget = park_budget - 1
+        park_job(queue_of(lane), job, tag)
+      end
+    end
+    before = function(a, b)
+      if a.lane.band ~= b.lane.band then return a.lane.band < b.lane.band end
+      if a.score ~= b.score then return a.score < b.score end
+      return a.job < b.job
+    end
+    dispatched = function(rec, lane)
+      count(rec, 'q', -1)
+      count(rec, 'r', 1)
+      if rec.tn then tenant(rec.tn).run = tenant(rec.tn).run + 1 end
+      local band = 'band:' .. lane.band
+      if vtime[band] == nil then vtime[band] = tonumber(redis.call('HGET', FAIR.v, band) or '0') or 0 end
+      if rec.sc and rec.sc > vtime[band] then
+        vtime[band] = rec.sc
+        redis.call('HSET', FAIR.v, band, num(rec.sc))
+      end
     end
   end
 
-  -- Returns 'ok', 'gone' (no record), or 'blocked' (the only free candidates are ones the
-  -- job excludes: the lane waits for another to free up).
-  -- Flow control: the tenant's running jobs and its limit, read once per call.
-  local tstate = {}
-  local function tenant(t)
-    local s = tstate[t]
-    if s == nil then
-      s = {
-        lim = tonumber(redis.call('HGET', FAIR.lim, t) or ''),
-        run = tonumber(redis.call('HGET', TENANTS, 'r:' .. t) or '0') or 0,
-      }
-      tstate[t] = s
-    end
-    return s
-  end
-  local vtime = {}
-  local function vt(g)
-    local band = 'band:' .. g.b
-    if vtime[band] == nil then vtime[band] = tonumber(redis.call('HGET', FAIR.v, band) or '0') or 0 end
-    return vtime[band], band
-  end
-
-  local function may_run(job)
-    if not PLAN.cap then return true end  -- no tenant has a max_in_flight
-    local t = tenant(tenant_of(job))
-    return t.lim == nil or t.run < t.lim
-  end
-
-  -- The first waiting job of a lane (by tag) whose tenant may run one more, dropping
-  -- expired ones on the way. A head whose tenant is at its max_in_flight is parked
-  -- (park_job): the jobs behind it surface, however many of them are capped.
-  local park_budget = PARK_BUDGET
-  local function fair_head(g)
-    local qkey = KEYS[base + g.q]
-    while true do
-      local job, tag = head(g)
-      if job == nil or may_run(job) then return job, tag end
-      if park_budget == 0 then return nil end
-      park_budget = park_budget - 1
-      park_job(qkey, job, tag)
-    end
-  end
-
-  local function dispatch(job, g, c)
-    local qkey = KEYS[base + g.q]
+  -- Dispatch: give job `job` of `lane` to `cand` (or, when the job may not go there, to the
+  -- best candidate that may take it). Returns 'ok', 'gone' (no record), or 'blocked' (the
+  -- only free candidates are ones it may not use: it waits for another to free up).
+  local function dispatch(job, lane, cand)
+    local qkey = queue_of(lane)
     local rec = get_record(job)
     if rec == nil then
       redis.call('ZREM', qkey, job)
       redis.call('ZREM', DEADLINES, job)
       return 'gone'
     end
-    if not serves(c, rec) or excluded(rec, c[1]) then
-      c = pick(g, rec)
-      if c == nil and rec.x ~= nil and not other_candidate(qkey, rec, now) then
+    if not serves(cand, rec) or excluded(rec, cand.provider) then
+      cand = pick(lane, rec)
+      if cand == nil and rec.x ~= nil and not other_candidate(qkey, rec, now) then
         -- Every provider it may still try is down: the ones that failed it are its only
         -- chance left, rather than a head that waits for nobody.
         rec.x = nil
-        c = pick(g, rec)
+        cand = pick(lane, rec)
       end
-      if c == nil then return 'blocked' end
+      if cand == nil then return 'blocked' end
     end
-    local pkey, nkey = KEYS[base + c[3]], KEYS[base + c[4]]
+    local pkey, nkey = KEYS[BASE + cand.provider_key], KEYS[BASE + cand.node_key]
     redis.call('ZREM', qkey, job)
     -- Never below ten per millisecond of server time: a failover that loses the last
     -- writes rolls the counter back, and a fence handed out again would let a run the new
@@ -378,65 +476,59 @@ local function pump(now)
       redis.call('SET', FENCE, fence)
     end
     redis.call('ZREM', DEADLINES, job)
-    if FAIR ~= nil then
-      count(rec, 'q', -1)
-      count(rec, 'r', 1)
-      if rec.tn then tenant(rec.tn).run = tenant(rec.tn).run + 1 end
-      local v, band = vt(g)
-      if rec.sc and rec.sc > v then
-        vtime[band] = rec.sc
-        redis.call('HSET', FAIR.v, band, num(rec.sc))
-      end
-    end
+    dispatched(rec, lane)
     redis.call('HINCRBY', pkey, 'in_flight', 1)
     state(pkey).inf = state(pkey).inf + 1
-    redis.call('ZADD', LEASES, now + lease_ms, job)
+    redis.call('ZADD', LEASES, now + LEASE_MS, job)
     local body = redis.call('HGET', BODIES, job) or ''
     local entry = redis.call('XADD', nkey, '*',
-      'j', job, 'f', fence, 'p', c[1], 't', c[2], 'm', g.m, 'l', g.l, 'rep', rec.rep, 'ep', rec.ep,
-      's', rec.s, 'a', rec.a, 't0', rec.t0, 't1', now, 'b', body)
-    rec.st, rec.p, rec.n, rec.t, rec.f, rec.ne, rec.t1, rec.o = 'd', c[1], c[5], c[2], fence, entry, now, 0
+      'j', job, 'f', fence, 'p', cand.provider, 't', cand.served, 'm', lane.model, 'l', lane.name,
+      'rep', rec.rep, 'ep', rec.ep, 's', rec.s, 'a', rec.a, 't0', rec.t0, 't1', now, 'b', body)
+    rec.st, rec.p, rec.n, rec.t, rec.f, rec.ne, rec.t1, rec.o = 'd', cand.provider, cand.node, cand.served,
+      fence, entry, now, 0
     put_record(job, rec)
     return 'ok'
   end
 
-  local live = {}
-  for i = 1, #groups do live[i] = true end
-  local dispatched = 0
-  -- Which of two lane heads goes first: the higher band, then the lower tag (one virtual
-  -- clock per band: weights hold across lanes), then the job id. Without flow control:
-  -- the lower submit sequence.
-  local function before(g, job, score, bg, bjob, bscore)
-    if FAIR == nil then return score < bscore end
-    if g.b ~= bg.b then return g.b < bg.b end
-    if score ~= bscore then return score < bscore end
-    return job < bjob
-  end
-
+  -- heads[i]: lane i's head {lane, job, score, skip}; nil: to be read; false: nothing more
+  -- this call (empty, or no free provider may take its jobs).
+  local heads, skips = {}, {}
+  local count_dispatched = 0
   while true do
-    local bi, bg, bjob, bseq, bc
-    for i, g in ipairs(groups) do
-      if live[i] then
-        local job, seq
-        if FAIR ~= nil then job, seq = fair_head(g) else job, seq = head(g) end
-        local c = job and pick(g, nil)
-        if not c then
-          live[i] = false
-        elseif bseq == nil or before(g, job, seq, bg, bjob, bseq) then
-          bi, bg, bjob, bseq, bc = i, g, job, seq, c
+    local best, best_cand
+    for i, lane in ipairs(lanes) do
+      local h = heads[i]
+      if h and not may_run(h.job) then h = nil end  -- its tenant reached its cap meanwhile
+      if h == nil then
+        local job, score = head(lane, skips[i] or 0)
+        h = job and {lane = lane, job = job, score = score, i = i} or false
+        heads[i] = h
+      end
+      if h then
+        local cand = pick(lane, nil)
+        if cand == nil then
+          heads[i] = false  -- a dispatch only fills providers: none frees up this call
+        elseif best == nil or before(h, best) then
+          best, best_cand = h, cand
         end
       end
     end
-    if bg == nil then break end
-    local outcome = dispatch(bjob, bg, bc)
+    if best == nil then break end
+    local outcome = 'expired'
+    if live(best) then
+      outcome = dispatch(best.job, best.lane, best_cand)
+    elseif expire_budget == 0 then
+      break  -- the rest of the expired heads at the next call
+    end
+    heads[best.i] = nil
     if outcome == 'ok' then
-      dispatched = dispatched + 1
+      count_dispatched = count_dispatched + 1
     elseif outcome == 'blocked' then
       -- Only busy or failed providers may run it: it keeps its place, and the jobs behind
       -- it go on (a few per lane and call, which bounds the call's cost).
-      bg.skip = (bg.skip or 0) + 1
-      if bg.skip > BLOCKED_SKIPS then live[bi] = false end
+      skips[best.i] = (skips[best.i] or 0) + 1
+      if skips[best.i] > BLOCKED_SKIPS then heads[best.i] = false end
     end
   end
-  return dispatched
+  return count_dispatched
 end

@@ -15,6 +15,7 @@ The monitor helpers here are shared with ``tests/e2e/test_scale.py``.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import threading
 import uuid
@@ -401,6 +402,21 @@ class Scenario:
         await self.redis.zrem(keys.queue("m2"), moved)
         await self.redis.zadd(keys.queue("m2", "gone"), {moved: score})
         assert self.note("rehome", await self.reaper.rehome()) == 1
+
+        # A reload removed the provider a waiting job is pinned to: it is answered (lua/abandon.lua).
+        for _ in range(8):
+            pinned, status = await self.submit("m2")
+            if status == "queued":
+                break
+        assert status == "queued"
+        score = await self.redis.zscore(keys.queue("m2"), pinned)
+        await self.redis.zrem(keys.queue("m2"), pinned)
+        await self.redis.zadd(keys.queue("m2", "gone"), {pinned: score})
+        rec = json.loads(await self.redis.hget(keys.JOBS, pinned))
+        await self.redis.hset(keys.JOBS, pinned, json.dumps({**rec, "pin": "gone", "ln": "gone"}))
+        await self.redis.hset(keys.provider("gone"), "removed", 1)
+        self.note("abandon", await self.reaper.rehome())
+        assert await h.record(pinned) is None
 
         # A lane a release brought parked jobs back to, pumped on its own (lua/wake.lua).
         plan = h.calls.plans.by_queue[keys.queue("m2")]

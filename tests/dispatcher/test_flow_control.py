@@ -97,7 +97,7 @@ async def drain(h: FairHarness, n: int) -> list[str]:
 
 def test_flow_control_is_off_for_one_tenant_one_band_no_limits() -> None:
     assert not flow_control(fc_config({"only": {}}))
-    assert b'"g"' not in Plans(fc_config({"only": {}})).by_provider["p0"].spec
+    assert b'"fair"' not in Plans(fc_config({"only": {}})).by_provider["p0"].header
     assert flow_control(fc_config({"a": {}, "b": {}}))
     assert flow_control(fc_config({"only": {"max_in_flight": 2}}))
     assert flow_control(fc_config({"only": {}}, priorities=["high", "standard"]))

@@ -79,17 +79,6 @@ T = TypeVar("T")
 # test and the machine check the case from then on. Defects of issue 19 already fixed here
 # keep their regression tests, unmarked.
 KNOWN_DEFECTS: frozenset[str] = frozenset({
-    # 1a. A reload that takes a lane's queue key away leaves the jobs waiting there in a queue no
-    #    plan pumps. A reaper round now moves those it finds in lane queues, but not (i) jobs
-    #    pinned to a provider the reload removed: nothing moves or answers them (the removal
-    #    heartbeat no longer refuses), they wait out their queue deadline; nor (ii) a job that
-    #    comes back after the reload -- requeued by its worker, or unparked by its tenant's
-    #    release -- to the key it left, which waits there while its providers idle, until a
-    #    round moves it (parked jobs are not looked at by rounds). Relaxes inv4, and inv6 and
-    #    the model's expected finish outcomes, for jobs queued before a reload in such a queue.
-    #    test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
-    #    test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
-    "stranded_after_reload",
     # 1b. A reload that adds a provider to the providers of an endpoint only some serve renames
     #    that endpoint's lane ("b" -> "b,c"), and the old key stays in use as another lane (the
     #    lane of jobs pinned to b): the jobs waiting there since before the reload wait for b
@@ -97,20 +86,24 @@ KNOWN_DEFECTS: frozenset[str] = frozenset({
     #    plans pump but would not put them in.
     #    test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider added]
     "misplaced_after_reload",
-    # 8. (Found by this machine in the parking of capped tenants' jobs, the fix of defect 5.) A
-    #    release brings back the earliest parked job of each lane; if that one leaves without
-    #    running (its client gone, refused), the jobs parked behind it stay parked while their
-    #    tenant runs nothing -- no release will come to bring them back -- and providers idle.
-    #    Relaxes inv6 for parked jobs of a tenant under its cap.
-    #    test_defect8_a_parked_job_comes_back_when_the_job_brought_back_instead_leaves
-    "parked_while_under_cap",
 })
 # Fixed in this tree; their flags would relax the same checks, and their regression tests run
 # unmarked (a flag put back here marks its test xfail again):
-#  1a. (the unpinned jobs of) "stranded_after_reload": a band renamed, a provider removed from
-#     the providers of an endpoint only some serve, left the jobs waiting in the lane's old key.
+#  1a. "stranded_after_reload": a reload that took a lane's queue key away (a band renamed,
+#     a provider removed from the providers of an endpoint only some serve) left the jobs
+#     waiting there, and jobs that came back to it later (requeued by their worker, unparked
+#     by their tenant's release), in a queue no plan pumps; and jobs pinned to a provider it
+#     removed waited out their deadline. Now reaper rounds move them (lua/rehome.lua) or
+#     answer the pinned ones (lua/abandon.lua), and a job coming back to such a key is moved
+#     at once (dispatcher/protocol.py rehome_queue).
 #     test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider removed,
-#     band renamed]
+#     band renamed], test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
+#     test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
+#  8. "parked_while_under_cap" (found by this machine in the parking of capped tenants' jobs,
+#     the fix of defect 5): a release brings back the earliest parked job of each lane; when
+#     that one left without running (its client gone), the jobs parked behind it stayed
+#     parked while their tenant ran nothing. Now the job that leaves hands its place to the
+#     next (lua/cancel.lua). test_defect8_a_parked_job_comes_back_when_the_job_brought_back_instead_leaves
 #  2. "wrong_endpoint_after_reload": after a reload adds a provider that does not serve an
 #     endpoint all the others served, that endpoint's waiting jobs went to it (inv5).
 #     test_defect2_a_reload_adding_a_provider_never_sends_it_an_endpoint_it_does_not_serve
@@ -667,8 +660,10 @@ def inv3_idle_leaves_nothing_behind(w: World, s: Snapshot) -> Iterator[Problem]:
 
 
 def inv4_waiting_jobs_are_pumped(w: World, s: Snapshot) -> Iterator[Problem]:
-    """Invariant 4: every waiting job is in a lane queue (or parked, to go back to one) that the
-    plan of some provider of the config in force pumps: none is stranded after a reload."""
+    """Invariant 4: every waiting job is in a lane queue that the plan of some provider of the
+    config in force pumps: none is stranded after a reload. A parked job may go back to a lane
+    a reload took away: whatever brings it back moves it to its lane at once
+    (dispatcher/protocol.py rehome_queue; inv6 checks that it then runs)."""
     pumped = lane_queues(w.plans)
     for job, rec in s.records.items():
         if rec["st"] != "q":
@@ -677,7 +672,10 @@ def inv4_waiting_jobs_are_pumped(w: World, s: Snapshot) -> Iterator[Problem]:
         j = w.jobs.get(job)
         if q is None:
             yield f"{job} waits in no lane queue ({rec})", None
-        elif q not in pumped:
+        elif q not in pumped and job not in s.parked:
+            if j is not None and j.pin is not None and j.pin not in w.present and not w.provs[j.pin].live:
+                continue  # pinned to a provider a reload removed whose worker died: answered once
+                #           its heartbeat runs out (a reaper round: lua/abandon.lua)
             defect = "stranded_after_reload" if j is not None and j.gen != w.gen else None
             yield f"{job} waits in {q}, which no plan of the config in force pumps", defect
 
@@ -1360,7 +1358,6 @@ async def test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served(
 
 
 @pytest.mark.anyio
-@known_defect("stranded_after_reload", "defect 1: a job pinned to a provider a reload removes waits in a dead lane")
 async def test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered(scene: SceneMaker) -> None:
     both = {"b": RERANKING, "c": Spec("n1", 1, (CHAT, RESPONSES), ("m1",))}
     s = scene(make_config(both), both)
@@ -1377,7 +1374,6 @@ async def test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered(s
 
 
 @pytest.mark.anyio
-@known_defect("stranded_after_reload", "defect 1: a job coming back after a reload goes to a lane key it took away")
 @pytest.mark.parametrize("back", ["requeued", "unparked"])
 async def test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped(
     scene: SceneMaker, back: str,

@@ -23,7 +23,7 @@ from tests.workers.adapters.recording import RecordingSink
 from workers.adapters.base import ProviderCall
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
 from workers.sink import RedisSink
-from workers.usage import StreamUsage, completion_tokens, json_usage
+from workers.usage import StreamUsage, cached_tokens_of, completion_tokens, json_usage
 from workers.worker import provider_call
 
 JSON = "application/json"
@@ -459,3 +459,72 @@ def test_old_events_still_decode_and_new_ones_still_decode_for_old_readers() -> 
     assert msgspec.msgpack.decode(old, type=End) == End(None, False)
     new = msgspec.msgpack.encode(End(None, False, Usage(1, 2)))
     assert msgspec.msgpack.decode(new, type=OldEnd) == OldEnd(None, False)
+
+
+# --------------------------------------------------------------------------- cached prompt tokens
+
+LLAMACPP_TIMINGS = {"cache_n": 236, "prompt_n": 1, "prompt_ms": 30.9, "prompt_per_token_ms": 30.9,
+                    "prompt_per_second": 32.3, "predicted_n": 35, "predicted_ms": 661.1,
+                    "predicted_per_token_ms": 18.9, "predicted_per_second": 52.9}
+
+
+@pytest.mark.parametrize(("why", "payload", "expected"), [
+    ("OpenAI / vLLM / SGLang chat", {**json.loads(VLLM_CHAT), "usage": {
+        "prompt_tokens": 2006, "completion_tokens": 300, "total_tokens": 2306,
+        "prompt_tokens_details": {"cached_tokens": 1920, "audio_tokens": 0}}}, 1920),
+    ("a stream's usage chunk", json.loads(chunk([], usage={**USAGE, "prompt_tokens_details": {"cached_tokens": 0}})),
+     0),
+    ("the Responses API", json.loads(OPENAI_RESPONSE), 0),
+    ("a Responses stream's response.completed", {"type": "response.completed", "response": {
+        "id": "resp_1", "usage": {**RESPONSE_USAGE, "input_tokens_details": {"cached_tokens": 30}}}}, 30),
+    ("Anthropic", json.loads(ANTHROPIC_MESSAGE), 100),
+    ("Anthropic's message_start", json.loads(ANTHROPIC_STREAM[0].partition(b"\n")[2]), 5),
+    ("Anthropic's message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                   "usage": {"output_tokens": 15, "cache_read_input_tokens": 7}}, 7),
+    ("DeepSeek", {"usage": {"prompt_tokens": 50, "completion_tokens": 2, "prompt_cache_hit_tokens": 48,
+                            "prompt_cache_miss_tokens": 2}}, 48),
+    ("llama.cpp's OpenAI chat, usage and timings", {
+        "object": "chat.completion", "choices": [],
+        "usage": {"completion_tokens": 35, "prompt_tokens": 237, "total_tokens": 272,
+                  "prompt_tokens_details": {"cached_tokens": 236}},
+        "timings": LLAMACPP_TIMINGS}, 236),
+    ("an older llama.cpp: timings alone", {"choices": [], "usage": {"prompt_tokens": 237, "completion_tokens": 35},
+                                           "timings": LLAMACPP_TIMINGS}, 236),
+    ("llama.cpp's /completion", {"content": "Hi", "tokens_predicted": 35, "tokens_evaluated": 237,
+                                 "tokens_cached": 271, "timings": LLAMACPP_TIMINGS}, 236),
+])
+def test_cached_tokens_as_providers_report_them(why: str, payload: dict[str, Any], expected: int) -> None:
+    assert cached_tokens_of(payload) == expected, why
+
+
+@pytest.mark.parametrize(("why", "payload"), [
+    ("vLLM without --enable-prompt-tokens-details", json.loads(VLLM_CHAT)),
+    ("Ollama", json.loads(OLLAMA_CHAT)),
+    ("a chunk without usage", json.loads(chunk([delta("Hi")], usage=None))),
+    ("response.created", json.loads(RESPONSES_STREAM[0].partition(b"\n")[2])),
+    # tokens_cached is every token the slot holds after the answer, generated ones included.
+    ("llama.cpp's tokens_cached alone", {"content": "Hi", "tokens_evaluated": 6, "tokens_predicted": 20,
+                                         "tokens_cached": 25, "timings": {"prompt_n": 6, "predicted_n": 20}}),
+    ("details null", {"usage": {"prompt_tokens": 3, "prompt_tokens_details": None}}),
+    ("not a count", {"usage": {"prompt_tokens_details": {"cached_tokens": "12"}}}),
+    ("a bool", {"usage": {"cache_read_input_tokens": True}}),
+    ("negative", {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}, "timings": {"cache_n": -1}}),
+    ("a float", {"timings": {"cache_n": 3.5}}),
+    ("usage of another shape", {"usage": [1, 2], "response": "r", "message": None, "timings": [0]}),
+    ("nothing", {}),
+])
+def test_cached_tokens_not_reported(why: str, payload: dict[str, Any]) -> None:
+    assert cached_tokens_of(payload) is None, why
+
+
+def test_cached_tokens_of_something_else_is_none() -> None:
+    assert cached_tokens_of([1, 2]) is None  # type: ignore[arg-type]
+    assert cached_tokens_of(None) is None  # type: ignore[arg-type]
+
+
+def test_a_bad_count_in_one_place_does_not_hide_a_good_one_in_another() -> None:
+    payload = {"usage": {"prompt_tokens_details": {"cached_tokens": None}, "cache_read_input_tokens": 4},
+               "timings": {"cache_n": 9}}
+    assert cached_tokens_of(payload) == 4
+    payload = {"usage": {"prompt_tokens_details": {"cached_tokens": None}}, "timings": {"cache_n": 9}}
+    assert cached_tokens_of(payload) == 9
