@@ -267,7 +267,8 @@ class ReplyReader:
             for _stream, entries in result or []:
                 for entry_id, fields in entries:
                     self.last_id = entry_id
-                    # Fields come as [b"j", job, b"e", event], the order the writers use.
+                    # Fields come as [b"job", job, b"event", event], the order every writer uses
+                    # (tests/dispatcher/test_wire.py).
                     waiter = self.waiters.get(fields[1].decode())
                     if waiter is not None:
                         waiter.push(fields[3])

@@ -254,9 +254,9 @@ class DispatchLog:
             for stream, entries in got:
                 for entry_id, fields in entries:
                     self.last[stream.decode()] = entry_id.decode()
-                    sender = json.loads(fields[b"b"]).get("user", "?")
-                    self.seen[fields[b"j"].decode()] = Dispatch(sender, int(fields[b"f"]), int(fields[b"t0"]),
-                                                                int(fields[b"t1"]))
+                    sender = json.loads(fields[b"body"]).get("user", "?")
+                    self.seen[fields[b"job"].decode()] = Dispatch(
+                        sender, int(fields[b"fence"]), int(fields[b"submitted_ms"]), int(fields[b"dispatched_ms"]))
 
     def overtaken(self, waiting: str, other: str) -> list[int]:
         """For each dispatch of ``waiting``: how many of ``other`` were dispatched after it was

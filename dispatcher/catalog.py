@@ -230,7 +230,7 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     oldest: dict[str, int] = {}
     for model_id, raw in zip(heads, head_records, strict=True):
         if raw is not None:
-            oldest[model_id] = max(now - int(json.loads(raw).get("t0", now)), 0)
+            oldest[model_id] = max(now - int(json.loads(raw).get("submitted_ms", now)), 0)
 
     groups_of: dict[str, list[str]] = {}
     for model in config.models:

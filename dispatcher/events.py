@@ -106,7 +106,8 @@ REQUEUED = encode(Requeued())
 
 
 class Assignment(msgspec.Struct, frozen=True):
-    """One entry of a node stream (field names as ``lua/lib/pump.lua`` writes them)."""
+    """One entry of a node stream: ``lua/lib/pump.lua`` writes these fields, by these names
+    (``entry_id`` is the entry's own id)."""
 
     entry_id: str
     job: str
@@ -137,40 +138,54 @@ class Assignment(msgspec.Struct, frozen=True):
         f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=True))
         return cls(
             entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
-            job=f[b"j"].decode(),
-            fence=int(f[b"f"]),
-            provider=f[b"p"].decode(),
-            target=f[b"t"].decode(),
-            model=f[b"m"].decode(),
-            lane=f.get(b"l", b"").decode(),
-            replica=f[b"rep"].decode(),
-            endpoint=f[b"ep"].decode(),
-            stream=f[b"s"] == b"1",
-            attempt=int(f[b"a"]),
-            submitted_ms=int(f[b"t0"]),
-            dispatched_ms=int(f[b"t1"]),
-            body=f[b"b"],
+            job=f[b"job"].decode(),
+            fence=int(f[b"fence"]),
+            provider=f[b"provider"].decode(),
+            target=f[b"target"].decode(),
+            model=f[b"model"].decode(),
+            lane=f.get(b"lane", b"").decode(),
+            replica=f[b"replica"].decode(),
+            endpoint=f[b"endpoint"].decode(),
+            stream=f[b"stream"] == b"1",
+            attempt=int(f[b"attempt"]),
+            submitted_ms=int(f[b"submitted_ms"]),
+            dispatched_ms=int(f[b"dispatched_ms"]),
+            body=f[b"body"],
         )
 
 
 class JobRecord(msgspec.Struct, frozen=True):
-    """A job's record in the ``{iop}:jobs`` hash (see ``lua/lib/jobs.lua``)."""
+    """A job's record in the ``{iop}:jobs`` hash, as the scripts write it (``lua/submit.lua``
+    creates it, ``lua/lib/*.lua`` move it on; Lua uses these names: ``rec.<field>``,
+    ``tests/dispatcher/test_wire.py``). A field Lua has not set is absent."""
 
-    model: str = msgspec.field(name="m")
-    replica: str = msgspec.field(name="rep")
-    state: str = msgspec.field(name="st")
-    lane: str = msgspec.field(name="ln", default="")
-    seq: int = 0
-    deadline_ms: int = msgspec.field(name="d", default=0)
-    attempt: int = msgspec.field(name="a", default=1)
-    provider: str | None = msgspec.field(name="p", default=None)
-    node: str | None = msgspec.field(name="n", default=None)
-    fence: int | None = msgspec.field(name="f", default=None)
-    entry_id: str | None = msgspec.field(name="ne", default=None)
-    output_started: int = msgspec.field(name="o", default=0)
-    endpoint: str = msgspec.field(name="ep", default="")
+    model: str
+    replica: str
+    state: str  # 'q' waiting, 'd' dispatched, 'c' dispatched and cancel asked, 'x' expired waiting
+    seq: int = 0  # global submit order (FIFO across lanes)
+    deadline_ms: int = 0  # of its wait in a queue
+    timeout_ms: int = 0  # the queue timeout it was given (a requeue gets it afresh)
+    submitted_ms: int = 0
+    attempt: int = 1
+    endpoint: str = ""
+    stream: int = 0
+    lane: str = ""  # its lane's name ('' the lane of all the model's providers)
+    tenant: str | None = None  # flow control only
+    tag: float | None = None  # its fair-queuing tag (flow control)
     # The provider a pinned job must go to (its stored Response is there).
     pin: str | None = None
+    # Set by a dispatch:
+    provider: str | None = None
+    node: str | None = None
+    target: str | None = None  # the model's name on that provider
+    fence: int | None = None
+    entry_id: str | None = None  # its node stream entry
+    dispatched_ms: int | None = None
+    output_started: int = 0  # 1 once output reached its client: it is never dispatched again
+    # Providers that failed it (finish in mode 'retry'). (cjson writes an empty table as {}.)
+    excluded: list[str] | dict[str, str] = []
+    hold_until_ms: int | None = None  # refused if still no provider by then (hold_when_unavailable_ms)
+    queue: str | None = None  # the queue it waits in, when not its lane's (moved since its submit)
 
 
 _record_decoder = msgspec.json.Decoder(JobRecord)

@@ -162,6 +162,12 @@ class Plans:
                         for lanes in self.lanes_by_model.values() for ln in lanes}
         # Every queue key some plan of this config pumps (dispatcher/reaper.py rehomes the rest).
         self.by_queue = {keys.queue(model, name): plan for (model, name), plan in self.by_lane.items()}
+        # The queue keys only jobs pinned to a provider belong in (the reaper looks in them for
+        # jobs a reload left there: dispatcher/reaper.py rehome).
+        shared = {self.banded(ln, rank).queue for ln in (*self.endpoint_lane.values(), *self._main.values())
+                  for rank in range(len(self.bands))}
+        self.pinned_only = frozenset(self.banded(ln, rank).queue for ln in self.provider_lane.values()
+                                     for rank in range(len(self.bands))) - shared
         self.everything = build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes], self.fair)
         # The queue keys each provider's plan pumps (dispatcher/protocol.py: what a release
         # did not pump).

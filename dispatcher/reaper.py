@@ -125,12 +125,16 @@ class Reaper:
         """Waiting jobs in lane queues no plan of this config pumps (a reload renamed their lane,
         or a replica not yet reloaded queued them there): moved to the lane each belongs in
         now. Returns how many moved. During a rolling reload a process still on the old config
-        may move some back; each move keeps the job's place, and the last config wins."""
+        may move some back; each move keeps the job's place, and the last config wins.
+        A lane of one provider that only jobs pinned to it belong in is looked at too: a
+        reload that added a provider to the providers of an endpoint only that one served
+        turned its lane into the pinned lane, and the endpoint's jobs waiting there since
+        belong in the new lane of both."""
         moved = 0
-        known = self.calls.plans.by_queue
+        known, pinned_only = self.calls.plans.by_queue, self.calls.plans.pinned_only
         async for raw_key in self.redis.scan_iter(match=keys.queue("*"), count=1000):
             queue = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
-            if queue in known:
+            if queue in known and queue not in pinned_only:
                 continue
             moved += await self.calls.rehome_queue(queue, BATCH)
         return moved

@@ -29,9 +29,9 @@ class WorkerSide:
     async def chunks(self, job: Assignment, event: bytes) -> None:
         """Later output of a streamed job: a plain append, ordered after ``emit``'s."""
         if self.fast is not None:
-            await self.fast.execute("XADD", keys.reply(job.replica), "*", "j", job.job, "e", event)
+            await self.fast.execute("XADD", keys.reply(job.replica), "*", "job", job.job, "event", event)
         else:
-            await self.redis.xadd(keys.reply(job.replica), {"j": job.job, "e": event})
+            await self.redis.xadd(keys.reply(job.replica), {"job": job.job, "event": event})
 
     async def finish(
         self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0

@@ -12,16 +12,16 @@
 --!include lib/jobs.lua
 
 local QUEUE = KEYS[5]
-TENANTS = KEYS[6]
+counts_in(KEYS[6])
 local REPLY, REPLICA_JOBS = KEYS[7], KEYS[8]
 local answered = 0
 for i = 3, #ARGV do
   local job = ARGV[i]
   local rec = redis.call('ZSCORE', QUEUE, job) and get_record(job)
-  if rec and rec.st == 'q' and rec.pin then
+  if rec and rec.state == 'q' and rec.pin then
     redis.call('ZREM', QUEUE, job)
     count(rec, 'q', -1)
-    redis.call('XADD', REPLY, '*', 'j', job, 'e', ARGV[2])
+    redis.call('XADD', REPLY, '*', 'job', job, 'event', ARGV[2])
     redis.call('PEXPIRE', REPLY, tonumber(ARGV[1]))
     drop_job(job, REPLICA_JOBS)
     answered = answered + 1

@@ -24,18 +24,18 @@
 --!include lib/parking.lua
 
 local QUEUE, REPLICA_JOBS = KEYS[5], KEYS[6]
-TENANTS = KEYS[7]
+counts_in(KEYS[7])
 local LIMITS, WAITING = KEYS[8], KEYS[9]
 
 -- A job of a tenant under its max_in_flight left lane queue `qkey` without running: if the
 -- tenant has jobs parked in that lane, the earliest comes back in its place (it may be the
 -- one a release brought back; nothing else would bring the others back).
 local function back_in_place(rec, qkey)
-  if rec.tn == nil then return nil end
-  local lim = tonumber(redis.call('HGET', LIMITS, rec.tn) or '')
+  if rec.tenant == nil then return nil end
+  local lim = tonumber(redis.call('HGET', LIMITS, rec.tenant) or '')
   if lim == nil then return nil end
-  if (tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0) >= lim then return nil end
-  if unpark_lane(ARGV[4], rec.tn, qkey, WAITING) then return qkey end
+  if (tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tenant) or '0') or 0) >= lim then return nil end
+  if unpark_lane(ARGV[4], rec.tenant, qkey, WAITING) then return qkey end
   return nil
 end
 local job, reason = ARGV[1], ARGV[2]
@@ -46,28 +46,28 @@ if rec == nil then
 end
 local now = now_ms()
 
-if rec.st == 'q' then
-  if reason == 'timeout' and rec.d > now then
-    return {'wait', rec.d - now}
+if rec.state == 'q' then
+  if reason == 'timeout' and rec.deadline_ms > now then
+    return {'wait', rec.deadline_ms - now}
   end
   redis.call('ZREM', QUEUE, job)
   -- Moved by a reaper round since its submit (lua/rehome.lua): that queue holds it now (the
   -- key is in the {iop} slot like every key).
-  if rec.qk and rec.qk ~= QUEUE then redis.call('ZREM', rec.qk, job) end
+  if rec.queue and rec.queue ~= QUEUE then redis.call('ZREM', rec.queue, job) end
   count(rec, 'q', -1)
   drop_job(job, REPLICA_JOBS)
-  return {'removed', 0, back_in_place(rec, rec.qk or QUEUE)}
+  return {'removed', 0, back_in_place(rec, rec.queue or QUEUE)}
 end
-if rec.st == 'x' then
+if rec.state == 'x' then
   drop_job(job, REPLICA_JOBS)
-  return {'expired', 0, back_in_place(rec, rec.qk or QUEUE)}
+  return {'expired', 0, back_in_place(rec, rec.queue or QUEUE)}
 end
 if reason == 'timeout' then
   return {'running', 0}
 end
-if rec.st ~= 'c' then
-  rec.st = 'c'
+if rec.state ~= 'c' then
+  rec.state = 'c'
   put_record(job, rec)
 end
-redis.call('PUBLISH', ARGV[3] .. rec.n, job)
+redis.call('PUBLISH', ARGV[3] .. rec.node, job)
 return {'cancelling', 0}

@@ -16,16 +16,16 @@ local rec = get_record(job)
 if not owned(rec, ARGV[2]) then
   return 'stale'
 end
-if rec.st == 'c' then
+if rec.state == 'c' then
   return 'cancelled'
 end
-if rec.o == 1 then
+if rec.output_started == 1 then
   -- A retry of a call whose reply was lost: the event is already there.
   return 'ok'
 end
-rec.o = 1
+rec.output_started = 1
 put_record(job, rec)
 redis.call('ZADD', LEASES, 'XX', now_ms() + tonumber(ARGV[3]), job)
-redis.call('XADD', REPLY, '*', 'j', job, 'e', ARGV[4])
+redis.call('XADD', REPLY, '*', 'job', job, 'event', ARGV[4])
 redis.call('PEXPIRE', REPLY, tonumber(ARGV[5]))
 return 'ok'

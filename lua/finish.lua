@@ -60,16 +60,16 @@ local outcome = 'released'
 if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then
   local max_attempts = tonumber(ARGV[11])
   if ARGV[10] == 'retry' then
-    local x = rec.x or {}
-    x[#x + 1] = rec.p
-    rec.x = x
+    local x = rec.excluded or {}
+    x[#x + 1] = rec.provider
+    rec.excluded = x
     if not other_candidate(QUEUE, rec, now) then max_attempts = 0 end
   end
   outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, max_attempts, event, ARGV[12],
                         tonumber(ARGV[9]), now)
 else
-  if event ~= '' and rec.st ~= 'c' then
-    redis.call('XADD', REPLY, '*', 'j', job, 'e', event)
+  if event ~= '' and rec.state ~= 'c' then
+    redis.call('XADD', REPLY, '*', 'job', job, 'event', event)
     redis.call('PEXPIRE', REPLY, tonumber(ARGV[9]))
   end
   drop_job(job, REPLICA_JOBS)

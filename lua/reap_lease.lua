@@ -40,9 +40,9 @@ if rec == nil then
 end
 local woken = {}
 if release_slot(job, PROVIDER, rec) then woken = released(rec) end
-if rec.ne then
-  redis.call('XACK', NODE, ARGV[5], rec.ne)
-  redis.call('XDEL', NODE, rec.ne)
+if rec.entry_id then
+  redis.call('XACK', NODE, ARGV[5], rec.entry_id)
+  redis.call('XDEL', NODE, rec.entry_id)
 end
 local outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, tonumber(ARGV[6]), ARGV[7],
                             ARGV[10], tonumber(ARGV[8]), now)

@@ -13,13 +13,13 @@
 -- correction: a provider id, or a field of the tenants hash.
 --!include lib/jobs.lua
 
-TENANTS = KEYS[5]
+counts_in(KEYS[5])
 
 -- What the counters should say: a waiting job (state 'q') counts in q:, one that holds a
 -- lease in r: -- exactly when lib/jobs.lua's count() moves them, for jobs that name a tenant.
 local want = {}
 local function expect(kind, rec)
-  for _, field in ipairs({kind .. ':' .. rec.tn, kind .. ':' .. rec.tn .. ':' .. rec.m}) do
+  for _, field in ipairs({kind .. ':' .. rec.tenant, kind .. ':' .. rec.tenant .. ':' .. rec.model}) do
     want[field] = (want[field] or 0) + 1
   end
 end
@@ -27,11 +27,11 @@ end
 local held = {}
 for _, job in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
   local rec = get_record(job)
-  if rec == nil or rec.p == nil then
+  if rec == nil or rec.provider == nil then
     redis.call('ZREM', LEASES, job)
   else
-    held[rec.p] = (held[rec.p] or 0) + 1
-    if rec.tn ~= nil then expect('r', rec) end
+    held[rec.provider] = (held[rec.provider] or 0) + 1
+    if rec.tenant ~= nil then expect('r', rec) end
   end
 end
 local jobs = redis.call('HGETALL', JOBS)
@@ -39,9 +39,9 @@ for i = 2, #jobs, 2 do
   -- Only waiting flow-controlled jobs' records are decoded: a quote inside a JSON string is
   -- escaped, so these can only be their fields, and without flow control this is a scan.
   local raw = jobs[i]
-  if string.find(raw, '"tn":', 1, true) and string.find(raw, '"st":"q"', 1, true) then
+  if string.find(raw, '"tenant":', 1, true) and string.find(raw, '"state":"q"', 1, true) then
     local rec = cjson.decode(raw)
-    if rec.st == 'q' and rec.tn ~= nil then expect('q', rec) end
+    if rec.state == 'q' and rec.tenant ~= nil then expect('q', rec) end
   end
 end
 

@@ -21,12 +21,12 @@ for i = 5, #ARGV do
   local job = ARGV[i]
   local score = redis.call('ZSCORE', OLD, job)
   local rec = score and get_record(job)
-  if rec and rec.st == 'q' then
+  if rec and rec.state == 'q' then
     redis.call('ZREM', OLD, job)
     enqueue(NEW, score, job)
-    rec.ln = ARGV[4] ~= '' and ARGV[4] or nil
+    rec.lane = ARGV[4] ~= '' and ARGV[4] or nil
     -- Its API still names the queue it submitted to: cancel.lua removes it from this one.
-    rec.qk = NEW
+    rec.queue = NEW
     put_record(job, rec)
     moved = moved + 1
   end

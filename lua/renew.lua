@@ -19,7 +19,7 @@ for i = 2, #ARGV, 2 do
     abort[#abort + 1] = 'stale'
   else
     redis.call('ZADD', LEASES, 'XX', expiry, job)
-    if rec.st == 'c' then
+    if rec.state == 'c' then
       abort[#abort + 1] = job
       abort[#abort + 1] = ARGV[i + 1]
       abort[#abort + 1] = 'cancelled'

@@ -69,9 +69,10 @@ end
 local seq = redis.call('INCR', SEQ)
 local deadline = now + timeout_ms
 local rec = {
-  m = model, rep = replica, st = 'q', seq = seq, d = deadline, to = timeout_ms,
-  t0 = now, a = 1, ep = opts.endpoint, s = opts.stream, ln = opts.lane ~= '' and opts.lane or nil,
-  tn = tenant, sc = score, pin = opts.pinned and LANE.candidates[1].provider or nil,
+  model = model, replica = replica, state = 'q', seq = seq, deadline_ms = deadline, timeout_ms = timeout_ms,
+  submitted_ms = now, attempt = 1, endpoint = opts.endpoint, stream = opts.stream,
+  lane = opts.lane ~= '' and opts.lane or nil, tenant = tenant, tag = score,
+  pin = opts.pinned and LANE.candidates[1].provider or nil,
 }
 put_record(job, rec)
 count(rec, 'q', 1)
@@ -84,7 +85,7 @@ pump(now)
 
 local waiting = redis.call('ZCARD', QUEUE)
 local in_queue = redis.call('ZSCORE', QUEUE, job)
-if not in_queue and FAIR ~= nil and PLAN.capped and (get_record(job) or {}).st == 'q' then
+if not in_queue and FAIR ~= nil and PLAN.capped and (get_record(job) or {}).state == 'q' then
   -- Parked by that pump (its tenant at its max_in_flight: lib/pump.lua park_job): it waits
   -- too, with its deadline.
   return {'queued', waiting, deadline, now}
@@ -111,7 +112,7 @@ if in_queue then
   if why ~= nil then
     -- Held through a restart (the lane's hold_when_unavailable_ms): refused once the hold
     -- is over and still no provider is up (lib/pump.lua refuse_unavailable).
-    rec.hu = now + LANE.hold_ms
+    rec.hold_until_ms = now + LANE.hold_ms
     put_record(job, rec)
   end
   -- It waits: its lane goes in the index of lanes that hold jobs (lib/pump.lua enqueue;

@@ -10,15 +10,19 @@
 -- Time comes from the server (TIME), never from a client clock.
 
 local JOBS, BODIES, LEASES, DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
--- With flow control, the tenants hash (set by the script, or by lib/pump.lua from its plan):
--- q:<tenant> and q:<tenant>:<model> count waiting jobs, r:... running ones.
+-- With flow control, the tenants hash: q:<tenant> and q:<tenant>:<model> count waiting
+-- jobs, r:... running ones. A script that moves jobs of tenants names it once, at its top
+-- (counts_in; lib/pump.lua does from its plan); until then nothing is counted.
 local TENANTS = nil
+local function counts_in(key)
+  TENANTS = key
+end
 
 -- Move a flow-controlled job's tenant counters: kind 'q' (waiting) or 'r' (running).
 local function count(rec, kind, d)
-  if TENANTS == nil or rec.tn == nil then return end
-  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tn, d)
-  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tn .. ':' .. rec.m, d)
+  if TENANTS == nil or rec.tenant == nil then return end
+  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tenant, d)
+  redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tenant .. ':' .. rec.model, d)
 end
 
 local function now_ms()
@@ -38,7 +42,7 @@ end
 
 -- Is this record still the dispatch the caller holds? (A requeued or redispatched job is not.)
 local function owned(rec, fence)
-  return rec ~= nil and rec.f == tonumber(fence) and (rec.st == 'd' or rec.st == 'c')
+  return rec ~= nil and rec.fence == tonumber(fence) and (rec.state == 'd' or rec.state == 'c')
 end
 
 -- Forget a job entirely (it reached a terminal state).

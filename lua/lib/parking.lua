@@ -34,7 +34,7 @@ local function unpark_lane(prefix, t, qkey, waiting)
       return false
     end
     local rec = get_record(h[1])
-    if rec and rec.st == 'q' then
+    if rec and rec.state == 'q' then
       redis.call('ZADD', qkey, h[2], h[1])
       redis.call('SADD', waiting, qkey)
       if redis.call('EXISTS', key) == 0 then redis.call('SREM', index, qkey) end

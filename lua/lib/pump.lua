@@ -41,7 +41,7 @@ local FAIR = nil
 if PLAN.fair then
   FAIR = {lim = KEYS[BASE + PLAN.limits], v = KEYS[BASE + PLAN.vtime], f = KEYS[BASE + PLAN.ftags],
           park = PLAN.park}
-  TENANTS = KEYS[BASE + PLAN.tenants]
+  counts_in(KEYS[BASE + PLAN.tenants])
 end
 -- Jobs one call parks at most (the rest at the next call): bounds a call's length when a
 -- capped tenant's flood reaches the head of a lane.
@@ -165,13 +165,13 @@ end
 -- a reload a lane's key may stand for other providers than when the job was queued.
 local function serves(cand, rec)
   if rec.pin ~= nil and rec.pin ~= cand.provider then return false end
-  return string.find(cand.endpoints, ',' .. rec.ep .. ',', 1, true) ~= nil
+  return string.find(cand.endpoints, ',' .. rec.endpoint .. ',', 1, true) ~= nil
 end
 
 -- Is provider `pid` one the job must not go to again (it failed the job before)?
 local function excluded(rec, pid)
-  if rec == nil or rec.x == nil then return false end
-  for _, p in ipairs(rec.x) do
+  if rec == nil or rec.excluded == nil then return false end
+  for _, p in ipairs(rec.excluded) do
     if p == pid then return true end
   end
   return false
@@ -211,11 +211,11 @@ end
 -- queue keys they went back to: the caller has those of them its plan lacks pumped
 -- (lua/wake.lua), since the provider that freed may not serve them.
 local function released(rec)
-  if FAIR == nil or not PLAN.capped or rec.tn == nil then return {} end
-  local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tn) or '')
+  if FAIR == nil or not PLAN.capped or rec.tenant == nil then return {} end
+  local lim = tonumber(redis.call('HGET', FAIR.lim, rec.tenant) or '')
   if lim == nil then return {} end
-  local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tn) or '0') or 0
-  if run < lim then return unpark(rec.tn) end
+  local run = tonumber(redis.call('HGET', TENANTS, 'r:' .. rec.tenant) or '0') or 0
+  if run < lim then return unpark(rec.tenant) end
   return {}
 end
 
@@ -227,26 +227,26 @@ end
 -- Returns 'requeued' | 'failed' | 'dropped'.
 local function settle_lost(job, rec, queue_key, reply_key, rj_key, max_attempts, event, requeued_event,
                            reply_ttl_ms, now)
-  if rec.st == 'c' then
+  if rec.state == 'c' then
     drop_job(job, rj_key)
     return 'dropped'
   end
-  if rec.o ~= 1 and rec.a < max_attempts then
-    rec.st, rec.a, rec.d, rec.o = 'q', rec.a + 1, now + rec.to, 0
-    rec.p, rec.n, rec.t, rec.ne, rec.f = nil, nil, nil, nil, nil
+  if rec.output_started ~= 1 and rec.attempt < max_attempts then
+    rec.state, rec.attempt, rec.deadline_ms, rec.output_started = 'q', rec.attempt + 1, now + rec.timeout_ms, 0
+    rec.provider, rec.node, rec.target, rec.entry_id, rec.fence = nil, nil, nil, nil, nil
     -- Where it waits now: its caller may have chosen another lane than the one it was
     -- submitted to (a reload took that key away), and cancel.lua removes it from this one.
-    rec.qk = queue_key
+    rec.queue = queue_key
     put_record(job, rec)
     -- Its score (the seq, or its fair-queuing tag) keeps it ahead of everything after it.
-    enqueue(queue_key, num(rec.sc or rec.seq), job)
+    enqueue(queue_key, num(rec.tag or rec.seq), job)
     count(rec, 'q', 1)
-    redis.call('ZADD', DEADLINES, rec.d, job)
-    redis.call('XADD', reply_key, '*', 'j', job, 'e', requeued_event)
+    redis.call('ZADD', DEADLINES, rec.deadline_ms, job)
+    redis.call('XADD', reply_key, '*', 'job', job, 'event', requeued_event)
     redis.call('PEXPIRE', reply_key, reply_ttl_ms)
     return 'requeued'
   end
-  redis.call('XADD', reply_key, '*', 'j', job, 'e', event)
+  redis.call('XADD', reply_key, '*', 'job', job, 'event', event)
   redis.call('PEXPIRE', reply_key, reply_ttl_ms)
   drop_job(job, rj_key)
   return 'failed'
@@ -258,7 +258,7 @@ end
 -- work (down, drained, unheard-of), rather than at their queue deadline: a caller learns
 -- that the server is down in one round trip. A lane that holds jobs through a provider
 -- restart (lane.hold_ms, the model's hold_when_unavailable_ms) refuses a job only that long
--- after it was first seen with no provider (rec.hu). `refusal` (dispatcher/wire.py
+-- after it was first seen with no provider (rec.hold_until_ms). `refusal` (dispatcher/wire.py
 -- Refusal): reply and replica_jobs key prefixes (the job's replica completes them: every
 -- key shares the {iop} slot), ttl_ms of a reply stream, limit of jobs refused per call,
 -- silent_is_down (see unavailable_reason). Returns the number refused.
@@ -275,11 +275,11 @@ local function refuse_unavailable(lane, now, refusal)
     local rec = get_record(job)
     if rec == nil then
       redis.call('ZREM', qkey, job)
-    elseif rec.hu == nil and lane.hold_ms > 0 then
+    elseif rec.hold_until_ms == nil and lane.hold_ms > 0 then
       -- Its hold starts when it is first seen with no provider.
-      rec.hu = now + lane.hold_ms
+      rec.hold_until_ms = now + lane.hold_ms
       put_record(job, rec)
-    elseif (rec.hu or 0) <= now then
+    elseif (rec.hold_until_ms or 0) <= now then
       redis.call('ZREM', qkey, job)
       count(rec, 'q', -1)
       local event
@@ -288,12 +288,12 @@ local function refuse_unavailable(lane, now, refusal)
           'The provider holding this response is unavailable (' .. why .. '); retry later'})
       else
         event = cmsgpack.pack({'failed', 503, 'no_provider_available',
-          "No provider of '" .. rec.m .. "' is available (" .. why .. '); retry later'})
+          "No provider of '" .. rec.model .. "' is available (" .. why .. '); retry later'})
       end
-      local reply = refusal.reply .. rec.rep
-      redis.call('XADD', reply, '*', 'j', job, 'e', event)
+      local reply = refusal.reply .. rec.replica
+      redis.call('XADD', reply, '*', 'job', job, 'event', event)
       redis.call('PEXPIRE', reply, refusal.ttl_ms)
-      drop_job(job, refusal.replica_jobs .. rec.rep)
+      drop_job(job, refusal.replica_jobs .. rec.replica)
       refused = refused + 1
     end
   end
@@ -360,7 +360,7 @@ local function pump(now)
     local rec = get_record(job)
     if rec then
       count(rec, 'q', -1)
-      rec.st = 'x'
+      rec.state = 'x'
       put_record(job, rec)
     end
     redis.call('HDEL', BODIES, job)
@@ -434,12 +434,12 @@ local function pump(now)
     dispatched = function(rec, lane)
       count(rec, 'q', -1)
       count(rec, 'r', 1)
-      if rec.tn then tenant(rec.tn).run = tenant(rec.tn).run + 1 end
+      if rec.tenant then tenant(rec.tenant).run = tenant(rec.tenant).run + 1 end
       local band = 'band:' .. lane.band
       if vtime[band] == nil then vtime[band] = tonumber(redis.call('HGET', FAIR.v, band) or '0') or 0 end
-      if rec.sc and rec.sc > vtime[band] then
-        vtime[band] = rec.sc
-        redis.call('HSET', FAIR.v, band, num(rec.sc))
+      if rec.tag and rec.tag > vtime[band] then
+        vtime[band] = rec.tag
+        redis.call('HSET', FAIR.v, band, num(rec.tag))
       end
     end
   end
@@ -457,10 +457,10 @@ local function pump(now)
     end
     if not serves(cand, rec) or excluded(rec, cand.provider) then
       cand = pick(lane, rec)
-      if cand == nil and rec.x ~= nil and not other_candidate(qkey, rec, now) then
+      if cand == nil and rec.excluded ~= nil and not other_candidate(qkey, rec, now) then
         -- Every provider it may still try is down: the ones that failed it are its only
         -- chance left, rather than a head that waits for nobody.
-        rec.x = nil
+        rec.excluded = nil
         cand = pick(lane, rec)
       end
       if cand == nil then return 'blocked' end
@@ -481,11 +481,13 @@ local function pump(now)
     state(pkey).inf = state(pkey).inf + 1
     redis.call('ZADD', LEASES, now + LEASE_MS, job)
     local body = redis.call('HGET', BODIES, job) or ''
+    -- The node stream entry (dispatcher/events.py Assignment, by the same names).
     local entry = redis.call('XADD', nkey, '*',
-      'j', job, 'f', fence, 'p', cand.provider, 't', cand.served, 'm', lane.model, 'l', lane.name,
-      'rep', rec.rep, 'ep', rec.ep, 's', rec.s, 'a', rec.a, 't0', rec.t0, 't1', now, 'b', body)
-    rec.st, rec.p, rec.n, rec.t, rec.f, rec.ne, rec.t1, rec.o = 'd', cand.provider, cand.node, cand.served,
-      fence, entry, now, 0
+      'job', job, 'fence', fence, 'provider', cand.provider, 'target', cand.served, 'model', lane.model,
+      'lane', lane.name, 'replica', rec.replica, 'endpoint', rec.endpoint, 'stream', rec.stream,
+      'attempt', rec.attempt, 'submitted_ms', rec.submitted_ms, 'dispatched_ms', now, 'body', body)
+    rec.state, rec.provider, rec.node, rec.target, rec.fence = 'd', cand.provider, cand.node, cand.served, fence
+    rec.entry_id, rec.dispatched_ms, rec.output_started = entry, now, 0
     put_record(job, rec)
     return 'ok'
   end

@@ -413,7 +413,7 @@ class Scenario:
         await self.redis.zrem(keys.queue("m2"), pinned)
         await self.redis.zadd(keys.queue("m2", "gone"), {pinned: score})
         rec = json.loads(await self.redis.hget(keys.JOBS, pinned))
-        await self.redis.hset(keys.JOBS, pinned, json.dumps({**rec, "pin": "gone", "ln": "gone"}))
+        await self.redis.hset(keys.JOBS, pinned, json.dumps({**rec, "pin": "gone", "lane": "gone"}))
         await self.redis.hset(keys.provider("gone"), "removed", 1)
         self.note("abandon", await self.reaper.rehome())
         assert await h.record(pinned) is None

@@ -123,8 +123,8 @@ async def test_a_pinned_request_to_a_drained_provider_is_refused_like_a_down_one
     assert await h.record(queued) is None
     assert await h.redis.zrange(pinned.queue, 0, -1) == []
     (_, fields), = await h.redis.xrange(keys.reply("rep1"))
-    assert fields[b"j"] == queued.encode()
-    assert events.decode(fields[b"e"]).code == "response_provider_unavailable"  # type: ignore[union-attr]
+    assert fields[b"job"] == queued.encode()
+    assert events.decode(fields[b"event"]).code == "response_provider_unavailable"  # type: ignore[union-attr]
     assert await h.done(running) == "released"
     assert await h.running_on("a") == []
 

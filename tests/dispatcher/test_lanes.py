@@ -223,7 +223,7 @@ async def test_no_retry_without_another_healthy_provider(lanes: Any) -> None:
     assert await h.fail(job) == "failed"
     assert await h.record(job) is None
     entries = await h.redis.xrange(keys.reply("rep1"))
-    assert events.decode(entries[-1][1][b"e"]).status == 502  # type: ignore[union-attr]
+    assert events.decode(entries[-1][1][b"event"]).status == 502  # type: ignore[union-attr]
 
 
 async def test_retries_stop_at_max_attempts(lanes: Any) -> None:

@@ -31,7 +31,7 @@ async def expire_lease(h: Harness, job: str) -> None:
 
 async def reply_events(h: Harness) -> list[tuple[str, events.Event]]:
     entries = await h.redis.xrange(keys.reply("rep1"))
-    return [(f[b"j"].decode(), events.decode(f[b"e"])) for _, f in entries]
+    return [(f[b"job"].decode(), events.decode(f[b"event"])) for _, f in entries]
 
 
 @pytest.fixture

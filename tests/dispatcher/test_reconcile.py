@@ -47,9 +47,9 @@ class Pool(FairHarness):
         leased = {j.decode() for j in await self.redis.zrange(keys.LEASES, 0, -1)}
         for job, raw in (await self.redis.hgetall(keys.JOBS)).items():
             rec = json.loads(raw)
-            kind = "r" if job.decode() in leased else "q" if rec["st"] == "q" else None
+            kind = "r" if job.decode() in leased else "q" if rec["state"] == "q" else None
             if kind:
-                want.update([f"{kind}:{rec['tn']}", f"{kind}:{rec['tn']}:{rec['m']}"])
+                want.update([f"{kind}:{rec['tenant']}", f"{kind}:{rec['tenant']}:{rec['model']}"])
         return dict(want)
 
 
@@ -70,7 +70,7 @@ async def pool(any_redis: Redis) -> Pool:
     # deadline: the pump that runs when a slot frees expires it, and runs b's job instead.
     await h.redis.zadd(keys.DEADLINES, {expired: 1})
     await h.node.finish(await h.assignment(running_a), b"", mode="done")
-    states = Counter(json.loads(raw)["st"] for raw in (await h.redis.hgetall(keys.JOBS)).values())
+    states = Counter(json.loads(raw)["state"] for raw in (await h.redis.hgetall(keys.JOBS)).values())
     assert states == {"d": 1, "c": 1, "q": 2, "x": 1}, states
     return h
 

@@ -23,9 +23,9 @@ async def answers(h: Harness) -> dict[str, Failed]:
     """The Failed events in replica rep1's reply stream, by job."""
     out: dict[str, Failed] = {}
     for _, fields in await h.redis.xrange(keys.reply("rep1")):
-        event = events.decode(fields[b"e"])
+        event = events.decode(fields[b"event"])
         if isinstance(event, Failed):
-            out[fields[b"j"].decode()] = event
+            out[fields[b"job"].decode()] = event
     return out
 
 

@@ -78,15 +78,7 @@ T = TypeVar("T")
 # while its flag is here. When a fix lands, that test XPASSes: take the flag out, and both the
 # test and the machine check the case from then on. Defects of issue 19 already fixed here
 # keep their regression tests, unmarked.
-KNOWN_DEFECTS: frozenset[str] = frozenset({
-    # 1b. A reload that adds a provider to the providers of an endpoint only some serve renames
-    #    that endpoint's lane ("b" -> "b,c"), and the old key stays in use as another lane (the
-    #    lane of jobs pinned to b): the jobs waiting there since before the reload wait for b
-    #    alone while c idles. Relaxes inv6 for jobs queued before a reload in a queue the new
-    #    plans pump but would not put them in.
-    #    test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider added]
-    "misplaced_after_reload",
-})
+KNOWN_DEFECTS: frozenset[str] = frozenset()  # none left
 # Fixed in this tree; their flags would relax the same checks, and their regression tests run
 # unmarked (a flag put back here marks its test xfail again):
 #  1a. "stranded_after_reload": a reload that took a lane's queue key away (a band renamed,
@@ -99,6 +91,11 @@ KNOWN_DEFECTS: frozenset[str] = frozenset({
 #     test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider removed,
 #     band renamed], test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
 #     test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
+#  1b. "misplaced_after_reload": a reload that added a provider to the providers of an
+#     endpoint only some serve renamed that endpoint's lane ("b" -> "b,c"), and the old key
+#     stayed in use as the lane of jobs pinned to b: the jobs waiting there since waited for b
+#     alone while c idled. Now reaper rounds look in pinned-only lanes too (Plans.pinned_only).
+#     test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider added]
 #  8. "parked_while_under_cap" (found by this machine in the parking of capped tenants' jobs,
 #     the fix of defect 5): a release brings back the earliest parked job of each lane; when
 #     that one left without running (its client gone), the jobs parked behind it stayed
@@ -367,7 +364,7 @@ class Fleet:
         for _stream, entries in got_replies or []:
             for entry_id, fields in entries:
                 self._reply_last = entry_id
-                replies.append((fields[b"j"].decode(), events.decode(fields[b"e"])))
+                replies.append((fields[b"job"].decode(), events.decode(fields[b"event"])))
         runs = []
         for stream, entries in got_runs or []:
             node = stream.decode().removeprefix(keys.node(""))
@@ -437,7 +434,7 @@ class Fleet:
         await self.redis.eval(
             "local t = redis.call('TIME') local d = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - 1 "
             "local raw = redis.call('HGET', KEYS[1], ARGV[1]) if raw then local r = cjson.decode(raw) "
-            "r.d = d redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(r)) end "
+            "r.deadline_ms = d redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(r)) end "
             "if redis.call('ZSCORE', KEYS[2], ARGV[1]) then redis.call('ZADD', KEYS[2], d, ARGV[1]) end return 1",
             2, keys.JOBS, keys.DEADLINES, job,
         )
@@ -597,10 +594,10 @@ def inv1_in_flight_matches_leases(w: World, s: Snapshot) -> Iterator[Problem]:
     held: Counter[str] = Counter()
     for job in s.leases:
         rec = s.records.get(job)
-        if rec is None or not rec.get("p"):
+        if rec is None or not rec.get("provider"):
             yield f"lease of {job} without a dispatched record ({rec})", None
         else:
-            held[str(rec["p"])] += 1
+            held[str(rec["provider"])] += 1
     for pid in PROVIDERS:
         inf = s.in_flight(pid)
         cap = int(s.providers.get(pid, {}).get("capacity", "0") or 0)
@@ -618,11 +615,11 @@ def inv2_tenant_counters_match_jobs(w: World, s: Snapshot) -> Iterator[Problem]:
     want: Counter[str] = Counter()
     if w.fair:
         for job, rec in s.records.items():
-            kind = {"q": "q", "d": "r", "c": "r"}.get(str(rec["st"]))
+            kind = {"q": "q", "d": "r", "c": "r"}.get(str(rec["state"]))
             if kind is not None:
                 tenant = job.partition("~")[0]
                 want[f"{kind}:{tenant}"] += 1
-                want[f"{kind}:{tenant}:{rec['m']}"] += 1
+                want[f"{kind}:{tenant}:{rec['model']}"] += 1
     for name in sorted(set(want) | set(s.counters)):
         have = s.counters.get(name, 0)
         if have < 0:
@@ -642,7 +639,7 @@ def inv2b_tenants_within_max_in_flight(w: World, s: Snapshot) -> Iterator[Proble
 def inv3_idle_leaves_nothing_behind(w: World, s: Snapshot) -> Iterator[Problem]:
     """Invariant 3: when no job waits or runs, every in_flight and tenant counter is 0, and no
     lease and no queued job is left."""
-    if any(rec["st"] in ("q", "d", "c") for rec in s.records.values()):
+    if any(rec["state"] in ("q", "d", "c") for rec in s.records.values()):
         return
     for pid in PROVIDERS:
         if s.in_flight(pid):
@@ -666,7 +663,7 @@ def inv4_waiting_jobs_are_pumped(w: World, s: Snapshot) -> Iterator[Problem]:
     (dispatcher/protocol.py rehome_queue; inv6 checks that it then runs)."""
     pumped = lane_queues(w.plans)
     for job, rec in s.records.items():
-        if rec["st"] != "q":
+        if rec["state"] != "q":
             continue
         q = s.lane_of(job)
         j = w.jobs.get(job)
@@ -711,7 +708,7 @@ def inv6_no_idle_capacity_while_a_job_waits(w: World, s: Snapshot) -> Iterator[P
     not one that failed it -- idles, and its tenant is under its max_in_flight."""
     for job, rec in s.records.items():
         j = w.jobs.get(job)
-        if j is None or j.overdue or rec["st"] != "q":
+        if j is None or j.overdue or rec["state"] != "q":
             continue
         lim = w.limit(j.tenant)
         if lim is not None and s.running(j.tenant) >= lim:
@@ -770,7 +767,7 @@ def inv8b_model_matches_redis(w: World, s: Snapshot) -> Iterator[Problem]:
     nowhere (a parked set may keep it until it is unparked)."""
     for j in w.jobs.values():
         rec = s.records.get(j.id)
-        st_ = None if rec is None else rec["st"]
+        st_ = None if rec is None else rec["state"]
         queued, parked = j.id in s.where, j.id in s.parked
         if j.state == "gone":
             left = [name for name, held in (("record", rec), ("lease", j.id in s.leases), ("body", j.id in s.bodies),
@@ -790,8 +787,8 @@ def inv8b_model_matches_redis(w: World, s: Snapshot) -> Iterator[Problem]:
         else:
             run = j.run
             want = "c" if j.state == "cancelling" else "d"
-            if (st_ != want or run is None or rec is None or rec.get("p") != run.a.provider
-                    or rec.get("f") != run.a.fence or j.id not in s.leases or queued or parked):
+            if (st_ != want or run is None or rec is None or rec.get("provider") != run.a.provider
+                    or rec.get("fence") != run.a.fence or j.id not in s.leases or queued or parked):
                 yield f"{j.id} should be {j.state} on {run.a.provider if run else None}; Redis has {rec}", None
 
 
@@ -1311,14 +1308,13 @@ def scene(any_redis: Redis) -> SceneMaker:
 
 
 CHAT_ONLY = Spec("n1", 1, (CHAT,), ("m1",))
-MISPLACED = "defect 1: jobs waiting in a lane key a reload gave to fewer providers wait for those only"
 RERANKING = Spec("n1", 1, (CHAT, RERANK), ("m1",))
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("change", [
     "provider removed",
-    pytest.param("provider added", marks=known_defect("misplaced_after_reload", MISPLACED)),
+    "provider added",
     "band renamed",
 ])
 async def test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served(scene: SceneMaker, change: str) -> None:

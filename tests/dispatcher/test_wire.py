@@ -4,11 +4,12 @@ added on one side only, or misspelt, fails here rather than as a nil in Lua."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from dispatcher import scripts, wire
+from dispatcher import events, scripts, wire
 
 # (script, the Lua name its options table has there, the Struct)
 TABLES = [
@@ -42,3 +43,35 @@ def test_no_field_is_null_on_the_wire() -> None:
             if omitted and name in defaults and defaults[name] is None:
                 continue
             assert "None" not in str(annotation), f"{struct.__name__}.{name} may be None"
+
+
+def lua_sources() -> str:
+    """Every script as Redis runs it (its libraries included)."""
+    return "\n".join(scripts.source(name) for name in scripts.NAMES)
+
+
+def test_the_scripts_use_exactly_the_job_records_fields() -> None:
+    # Read or written as rec.<field>, or set when submit.lua creates the record.
+    used = fields_read(lua_sources(), "rec")
+    created = re.search(r"local rec = \{(.*?)\n\}", scripts.source("submit"), re.S)
+    assert created is not None
+    used |= set(re.findall(r"\b([a-z_]+) = ", created.group(1)))
+    assert used == set(events.JobRecord.__struct_fields__)
+
+
+def test_the_node_stream_entry_is_the_assignment() -> None:
+    xadd = re.search(r"redis\.call\('XADD', nkey, '\*',(.*?)\)\n", scripts.source("finish"), re.S)
+    assert xadd is not None
+    written = re.findall(r"'([a-z_]+)', ", xadd.group(1))
+    assert set(written) == set(events.Assignment.__struct_fields__) - {"entry_id"}
+    assert len(written) == len(set(written))
+
+
+def test_every_reply_stream_entry_is_job_then_event() -> None:
+    # api/waiting.py reads a reply entry's fields by position: [b"job", job, b"event", event].
+    source = lua_sources() + (Path(__file__).parents[2] / "dispatcher" / "worker_side.py").read_text()
+    writes = re.findall(r"XADD[\"']?,\s*([\w.()]+),\s*[\"']\*[\"'],\s*([^\n]*)", source)
+    replies = [fields for key, fields in writes if key != "nkey"]
+    assert len(replies) >= 7, writes
+    for fields in replies:
+        assert re.match(r"[\"']job[\"'], job(\.job)?, [\"']event[\"'], ", fields), fields

@@ -222,7 +222,7 @@ local in_flight = tonumber(redis.call('HGET', KEYS[3], 'in_flight') or '0')
 local mine = 0
 for _, job in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local raw = redis.call('HGET', KEYS[2], job)
-  if raw and cjson.decode(raw).p == ARGV[1] then mine = mine + 1 end
+  if raw and cjson.decode(raw).provider == ARGV[1] then mine = mine + 1 end
 end
 return {in_flight, mine, redis.call('ZCARD', KEYS[1])}
 """

@@ -209,12 +209,12 @@ def replay(commands: list[Command], initial: dict[str, dict[str, str]]) -> Histo
             assert pending is not None, f"a dispatch without its in_flight increment: {cmd}"
             pid, snapshot, heads = pending
             pending = None
-            assert f[b"p"].decode() == pid, cmd
+            assert f[b"provider"].decode() == pid, cmd
             assert key == keys.node(NODE_OF[pid]), cmd
-            body = json.loads(f[b"b"])
+            body = json.loads(f[b"body"])
             hist.dispatches.append(Dispatch(
-                job=f[b"j"].decode(), model=f[b"m"].decode(), provider=pid, replica=f[b"rep"].decode(),
-                tag=body["messages"][0]["content"], now=int(f[b"t1"]), before=snapshot, heads=heads,
+                job=f[b"job"].decode(), model=f[b"model"].decode(), provider=pid, replica=f[b"replica"].decode(),
+                tag=body["messages"][0]["content"], now=int(f[b"dispatched_ms"]), before=snapshot, heads=heads,
             ))
     hist.final = {p: s.inf for p, s in provs.items()}
     hist.in_flight_range = {p: (lo[p], hi[p]) for p in CAPACITY}

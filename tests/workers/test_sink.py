@@ -52,7 +52,7 @@ async def dispatched(h: Harness) -> Assignment:
 
 
 async def written(redis: Redis) -> list[events.Event]:
-    return [events.decode(f[b"e"]) for _, f in await redis.xrange(keys.reply("rep1"))]
+    return [events.decode(f[b"event"]) for _, f in await redis.xrange(keys.reply("rep1"))]
 
 
 def payloads(evs: list[events.Event]) -> list[bytes]:

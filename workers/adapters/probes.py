@@ -159,10 +159,19 @@ async def _get(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
         return bytes(body)
 
 
+def _worker_stalled(started: float, timeout_s: float) -> bool:
+    """Did a probe that timed out take far longer than its timeout? Then the worker itself
+    was frozen meanwhile (stopped, swapped out, a long pause of its loop) and its timer fired
+    late: the provider's silence is not proven, and the probe is made again."""
+    return asyncio.get_running_loop().time() - started > 2 * timeout_s
+
+
 async def probe_http(
-    session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float
+    session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float,
+    *, again: bool = True,
 ) -> ProbeResult:
     """The whole probe of an idle provider: health, models (and loaded models, slots hint)."""
+    started = asyncio.get_running_loop().time()
     spec = HTTP_PROBES[provider_type]
     health_path = None if spec.health_404_to_models and root in _no_health else spec.health_path
     path = health_path or spec.models_path
@@ -185,6 +194,8 @@ async def probe_http(
                 path = spec.loaded_path
                 loaded = spec.parse(await _get(session, root + spec.loaded_path, headers))
     except (TimeoutError, _Failed, aiohttp.ClientError, msgspec.DecodeError, TypeError, AttributeError) as exc:
+        if isinstance(exc, TimeoutError) and again and _worker_stalled(started, timeout_s):
+            return await probe_http(session, root, headers, provider_type, timeout_s, again=False)
         # A server that stops answering its model list may have been replaced: the next
         # probe asks for its health endpoint again.
         _no_health.discard(root)
@@ -198,10 +209,12 @@ async def probe_http(
 
 
 async def probe_http_busy(
-    session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float
+    session: aiohttp.ClientSession, root: str, headers: dict[str, str], provider_type: str, timeout_s: float,
+    *, again: bool = True,
 ) -> ProbeResult | None:
     """The probe of a busy provider: only its ``busy_path``, health alone (no models); None
     when nothing can be asked without disturbing what it runs."""
+    started = asyncio.get_running_loop().time()
     spec = HTTP_PROBES[provider_type]
     path = spec.busy_path
     if path is None or (path == spec.health_path and spec.health_404_to_models and root in _no_health):
@@ -217,6 +230,8 @@ async def probe_http_busy(
             return None
         return ProbeResult(False, _failure(exc, path, timeout_s, spec.health_503 if path == spec.health_path else None))
     except (TimeoutError, aiohttp.ClientError) as exc:
+        if isinstance(exc, TimeoutError) and again and _worker_stalled(started, timeout_s):
+            return await probe_http_busy(session, root, headers, provider_type, timeout_s, again=False)
         return ProbeResult(False, _failure(exc, path, timeout_s, None))
     return ProbeResult(True, "")
 

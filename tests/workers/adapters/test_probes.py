@@ -1240,3 +1240,43 @@ async def test_cli_probe_gets_the_minimal_environment(tmp_path: Path, monkeypatc
     assert env[KEY_ENV] == "sk-cli"
     assert "IOP_TEST_PROBE_SECRET" not in env
     assert set(env) <= set(ENV_PASSTHROUGH) | {"LC_CTYPE", KEY_ENV}
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+async def test_a_probe_the_worker_itself_stalled_through_is_made_again(
+    runtime: Runtime, session: aiohttp.ClientSession, busy: bool,
+) -> None:
+    # The worker froze (SIGSTOP, swapped out, a long pause) while its first /health waited: its
+    # timer fires long after it was due. That proves nothing about the provider, which answers
+    # the probe made again at once.
+    first = True
+
+    async def first_hangs(request: web.Request) -> web.StreamResponse:
+        nonlocal first
+        if first:
+            first = False
+            return await runtime.hold(request)
+        return web.Response()
+
+    runtime.overrides["/health"] = first_hangs
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, time.sleep, 0.8)  # the whole loop stops, as a frozen process does
+    if busy:
+        result = await busy_probe("vllm", runtime.url, session, timeout_s=0.2)
+    else:
+        result = await probe("vllm", runtime.url, session, timeout_s=0.2)
+    assert result is not None
+    assert result.healthy, result
+    assert runtime.paths.count("/health") == 2
+
+
+async def test_a_provider_that_is_silent_on_time_is_unavailable(
+    runtime: Runtime, session: aiohttp.ClientSession,
+) -> None:
+    # The counterpart: a timeout that fired when due is the provider's, and is not retried.
+    runtime.overrides["/health"] = runtime.hold
+    result = await busy_probe("vllm", runtime.url, session, timeout_s=0.2)
+    assert result is not None
+    assert not result.healthy
+    assert result.reason == "GET /health timed out after 0.2s"
+    assert runtime.paths == ["/health"]
