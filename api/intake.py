@@ -13,11 +13,14 @@ providers it may go to, and what is stored for its worker.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from litestar import Request
 
+from dispatcher.affinity import blocks_of, session_block, session_of
 from dispatcher.config import ModelConfig
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
 from dispatcher.envelope import FORWARDED_HEADERS, JSON, RequestEnvelope, wrap
@@ -48,6 +51,9 @@ class Intake:
     pinned: bool  # the lane is one provider's, because the request's state lives there
     stored: bytes  # what the worker gets (dispatcher/envelope.py)
     tenant: Tenant
+    # Cache-aware dispatch (the model's affinity): its prompt's block hashes, or its
+    # conversation's (dispatcher/affinity.py); empty when off.
+    blocks: tuple[str, ...] = ()
 
 
 def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
@@ -104,7 +110,8 @@ async def take(
     found = gw.plans.lane_for(model.id, endpoint)
     if found is None:
         raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
-    return Intake(model, endpoint, stream, _in_band(request, gw, tenant, found), False, stored, tenant)
+    return Intake(model, endpoint, stream, _in_band(request, gw, tenant, found), False, stored, tenant,
+                  affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else ())
 
 
 async def take_stored(
@@ -126,6 +133,23 @@ async def take_stored(
     envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request), traceparent)
     lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, stored.provider, response_id))
     return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant)
+
+
+def affinity_blocks(model: ModelConfig, endpoint: str, body: bytes, headers: Mapping[str, str]) -> tuple[str, ...]:
+    """What cache-aware dispatch keys a request by (``models[].affinity``): the chained hashes
+    of its prompt's blocks (``prefix``), or one hash of its conversation key (``session``;
+    none without one); nothing when off."""
+    mode = model.affinity.mode
+    if mode == "prefix":
+        return tuple(blocks_of(endpoint, body))
+    if mode == "session":
+        try:
+            decoded = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return ()
+        key = session_of(endpoint, decoded if isinstance(decoded, dict) else {}, headers)
+        return () if key is None else (session_block(key),)
+    return ()
 
 
 def forwarded(request: Request[Any, Any, Any]) -> dict[str, str]:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -148,7 +148,27 @@ class _CatalogCollector(Collector):
             queued.add_metric([m.id], m.queued)
             oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
         yield from (in_flight, capacity, up, health, queued_p, draining, tokens_rate, queued, oldest)
+        yield from self._affinity()
         yield from self._tenants()
+
+    def _affinity(self) -> Iterator[Metric]:
+        """Cache-aware dispatch, per model group that has it (counters kept in Redis: every
+        replica reports the fleet's)."""
+        affine = [m for m in self.catalog.models if m.affinity is not None]
+        if not affine:
+            return
+        decisions = CounterMetricFamily(
+            "iop_affinity_decisions", "Cache-aware dispatch decisions: hit (a provider holding the prompt's head, "
+            "within the load bound), miss (none holds it), spill (its holders were over the bound)",
+            labels=["model", "result"])
+        blocks = GaugeMetricFamily("iop_affinity_index_blocks", "Prompt blocks the model's prefix index remembers",
+                                   labels=["model"])
+        for m in affine:
+            assert m.affinity is not None
+            for result, n in m.affinity.decisions.items():
+                decisions.add_metric([m.id, result], n)
+            blocks.add_metric([m.id], m.affinity.index_blocks)
+        yield from (decisions, blocks)
 
     def _tenants(self) -> Iterator[Metric]:
         """Per tenant (flow control only): configured names, and each of them only for the

@@ -82,7 +82,7 @@ async def _relay(
     try:
         try:
             submitted = await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, stream,
-                                             intake.pinned, tenant)
+                                             intake.pinned, tenant, intake.blocks)
         except RedisError as exc:
             # Not settled: the last try may have gone through with its reply lost, so the
             # wait's close cancels the job (held through the outage too).

@@ -32,8 +32,8 @@ Targets (``--targets``):
   ``sglang`` provider per server, capacity ``--iop-capacity``, one API process), no
   affinity.
 * ``iop-prefix``, ``iop-prefix-x3``: the same with ``affinity: {mode: prefix, load_bound:
-  1.25}`` on the model, through one or three API processes (the load generator takes them
-  in turn). Skipped, saying why, while ``iop config check`` rejects the field.
+  1.25}`` on the model (its other settings at their defaults), through one or three API
+  processes (the load generator takes them in turn).
 * ``sglang-router``, ``sglang-router-x3``: the real sglang-router from PyPI (pinned
   below), policy ``cache_aware`` with its defaults, installed on first use into
   ``.venv-servers/sglang-router`` as ``./dev`` installs the real servers; one router, or
@@ -44,8 +44,8 @@ empty, like the servers' caches) and stops them afterwards; a target that fails 
 is reported and the others go on. Scenarios: ``equal`` at every ``--loads`` (50/80/100%),
 the other variants at the middle load. Duration: a run is ``--seconds`` of arrivals plus
 the time to answer what is still queued and a few seconds of start-up; the full default
-(5 scenarios x 5 targets that run today, 7 once iop's affinity lands) takes about half an
-hour, ``--quick`` (equal tenants at 80%, 10 s per run) about a minute and a half.
+(5 scenarios x 7 targets) takes about half an hour, ``--quick`` (equal tenants at 80%,
+10 s per run) about a minute and a half.
 """
 
 from __future__ import annotations

@@ -339,6 +339,12 @@ def _header(headers: Mapping[str, str], name: str) -> object:
     return value
 
 
+def session_block(key: str) -> str:
+    """The one block a conversation key stands for in the prefix index (``s`` + its hash:
+    never equal to a prompt block's)."""
+    return "s" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
 def session_of(endpoint: str, body: dict[str, Any], headers: Mapping[str, str]) -> str | None:
     """The caller's key for the conversation a request belongs to, prefixed by where it
     was found so that keys from different sources never collide: the ``x-session-id``

@@ -8,6 +8,7 @@ who arrives during a failover or a restart waits for Redis instead of getting a 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -41,14 +42,15 @@ class ApiSide:
 
     async def submit(
         self, job_id: str, lane: Lane, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
-        tenant: Tenant | None = None,
+        tenant: Tenant | None = None, blocks: Sequence[str] = (),
     ) -> Submitted:
         tries = 0
 
         async def once() -> Submitted:
             nonlocal tries
             tries += 1
-            return await self.calls.submit(job_id, lane, self.replica_id, body, endpoint, stream, pinned, tenant)
+            return await self.calls.submit(job_id, lane, self.replica_id, body, endpoint, stream, pinned, tenant,
+                                           blocks)
 
         submitted = await held(once, self.hold_s)
         if submitted.status == SubmitStatus.DUPLICATE and tries > 1:

@@ -22,7 +22,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from dispatcher import keys
-from dispatcher.config import DEFAULT_TENANT, Config, ProviderConfig
+from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
 from dispatcher.lifecycle import LifecycleFlags, flags_for
 from dispatcher.plans import Plans
@@ -77,6 +77,18 @@ class TenantUse(msgspec.Struct):
     in_flight: int
 
 
+class AffinityView(msgspec.Struct):
+    """A model group's cache-aware dispatch (``models[].affinity``)."""
+
+    mode: str
+    load_bound: float
+    index_blocks: int  # prompt blocks its prefix index remembers now
+    index_max_blocks: int
+    # Decisions since Redis started: 'hit' (a provider holding the head, within the bound),
+    # 'miss' (nobody holds it), 'spill' (its holders were over the bound).
+    decisions: dict[str, int]
+
+
 class ModelView(msgspec.Struct):
     id: str
     display_name: str
@@ -86,6 +98,7 @@ class ModelView(msgspec.Struct):
     available_slots: int
     # Tenants with jobs waiting or running in the group (flow control only), config order.
     tenants: list[TenantUse]
+    affinity: AffinityView | None = None
 
 
 class TenantView(msgspec.Struct):
@@ -187,6 +200,19 @@ def _counter_fields(tenants: list[Tenant], model_ids: list[str]) -> list[str]:
             for kind in ("q", "r")]
 
 
+def _affinity_views(models: list[ModelConfig], replies: list[Any]) -> dict[str, AffinityView]:
+    """``replies``: each model's index size (ZCARD), then the decision counters (HGETALL)."""
+    if not models:
+        return {}
+    stats = {k.decode(): int(v) for k, v in cast(dict[bytes, bytes], replies[-1]).items()}
+    views = {}
+    for model, blocks in zip(models, replies[:-1], strict=True):
+        decisions = {r: stats.get(f"{model.id}\t{r}", 0) for r in ("hit", "miss", "spill")}
+        views[model.id] = AffinityView(model.affinity.mode, model.affinity.load_bound, int(blocks),
+                                       model.affinity.index_max_blocks, decisions)
+    return views
+
+
 async def read_catalog(redis: Redis, config: Config) -> Catalog:
     providers = [(node.id, prov) for node, prov in config.providers()]
     # A model group waits in several lanes (dispatcher/plans.py): its queue is all of them.
@@ -202,10 +228,18 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         for _, queue in lanes:
             pipe.zcard(queue)
             pipe.zrange(queue, 0, 0, withscores=True)
+        affine = [m for m in config.models if m.affinity.mode != "off"]
+        for model in affine:
+            pipe.zcard(keys.affinity_recency(model.id))
+        if affine:
+            pipe.hgetall(keys.AFFINITY_STATS)
         if counter_fields:
             pipe.hmget(keys.TENANTS, counter_fields)
         replies: list[Any] = await pipe.execute()
     counters = _counters(counter_fields, replies.pop() if counter_fields else [])
+    affinity_views = _affinity_views(affine, replies[len(replies) - len(affine) - 1:] if affine else [])
+    if affine:
+        del replies[len(replies) - len(affine) - 1:]
     sec, usec = replies[0]
     now = int(sec) * 1000 + int(usec) // 1000
     hashes = [
@@ -255,7 +289,7 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
                 for t in tenants]
         uses = [u for u in uses if u.queued or u.in_flight]
         models.append(ModelView(model.id, model.display_name or model.id, cands, queued[model.id],
-                                oldest.get(model.id), free, uses))
+                                oldest.get(model.id), free, uses, affinity_views.get(model.id)))
     nodes = [NodeView(n.id, [p.id for p in n.providers]) for n in config.nodes]
     tenant_views = [
         TenantView(

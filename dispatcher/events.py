@@ -186,6 +186,10 @@ class JobRecord(msgspec.Struct, frozen=True):
     excluded: list[str] | dict[str, str] = []
     hold_until_ms: int | None = None  # refused if still no provider by then (hold_when_unavailable_ms)
     queue: str | None = None  # the queue it waits in, when not its lane's (moved since its submit)
+    # Cache-aware dispatch: its prompt's block hashes (or its conversation's), for the prefix
+    # index (dispatcher/affinity.py); absent without affinity.
+    blocks: list[str] | dict[str, str] = []
+    passed_ms: int | None = None  # when a job holding its head was first dispatched before it
 
 
 _record_decoder = msgspec.json.Decoder(JobRecord)

@@ -41,6 +41,10 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:plan:<id>``      | hash   | a dispatch plan: ``''`` -> header, queue key -> lane (JSON,    |
 |                          |        | dispatcher/wire.py); ``<id>`` a digest of its content; TTL 1 d |
 | ``{iop}:plan:<id>:lanes``| set    | its lanes' queue keys                                          |
+| ``{iop}:aff:<model>``    | hash   | cache-aware dispatch: prompt block hash -> providers that      |
+|                          |        | served it (latest first, comma-separated)                      |
+| ``{iop}:afft:<model>``   | zset   | block hash -> last use ms (bounds the index: oldest go first)  |
+| ``{iop}:aff:stats``      | hash   | ``<model>\t<hit|miss|spill>`` -> affinity decisions           |
 | ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
@@ -73,6 +77,7 @@ VIRTUAL_TIME = f"{PREFIX}:vt"
 FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
+AFFINITY_STATS = f"{PREFIX}:aff:stats"
 RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"
 
 # The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
@@ -102,6 +107,16 @@ def plan(plan_id: str) -> str:
 
 def plan_lanes(plan_id: str) -> str:
     return f"{plan(plan_id)}:lanes"
+
+
+def affinity(model_id: str) -> str:
+    """A model group's prefix index: block hash -> the providers that served it, latest first."""
+    return f"{PREFIX}:aff:{model_id}"
+
+
+def affinity_recency(model_id: str) -> str:
+    """When each block of a model group's prefix index was last used (oldest forgotten first)."""
+    return f"{PREFIX}:afft:{model_id}"
 
 
 def node(node_id: str) -> str:

@@ -26,6 +26,8 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from dispatcher import keys, wire
 from dispatcher.config import Config, ModelConfig
 from dispatcher.tenants import bands, flow_control
@@ -95,17 +97,25 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
             for pid in lane.providers
             if pid in node_of
         ]
-        specs.append((lane.queue, wire.LaneSpec(
+        spec = wire.LaneSpec(
             model=lane.model, name=lane.name, queue=pos(lane.queue), band=lane.band if fair else 0,
-            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands)))
+            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands)
+        aff = model.affinity
+        if aff.mode != "off":
+            spec = msgspec.structs.replace(
+                spec, load_bound=aff.load_bound, index=pos(keys.affinity(model.id)),
+                recency=pos(keys.affinity_recency(model.id)), index_max=aff.index_max_blocks,
+                index_ttl_ms=aff.index_ttl_s * 1000, look_ahead=aff.look_ahead, max_wait_ms=aff.max_wait_ms)
+        specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
+    stats = pos(keys.AFFINITY_STATS) if any(spec.load_bound for _, spec in specs) else 0
     if fair:
         head = wire.PlanHeader(
             fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
             limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
-            park=keys.parked(""), only=only)
+            park=keys.parked(""), affinity_stats=stats, only=only)
     else:
-        head = wire.PlanHeader(only=only)
+        head = wire.PlanHeader(affinity_stats=stats, only=only)
     header = wire.encode(head)
     lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
     key_list = list(index)

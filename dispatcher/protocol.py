@@ -162,9 +162,10 @@ class ScriptCalls:
 
     async def submit(
         self, job: str, lane: Lane, replica: str, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
-        tenant: Tenant | None = None,
+        tenant: Tenant | None = None, blocks: Sequence[str] = (),
     ) -> Submitted:
-        """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``)."""
+        """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``).
+        ``blocks``: cache-aware dispatch's keys of the request (``api/intake.py``)."""
         plan = self.plans.by_lane.get((lane.model, lane.name))
         if plan is None or lane.model not in self._queue_limits:
             # A reload took the model (or this lane of it) away while the request was read.
@@ -176,6 +177,7 @@ class ScriptCalls:
             job=job, model=lane.model, replica=replica, endpoint=endpoint, stream=int(stream), lane=lane.name,
             timeout_ms=timeout_ms, max_queue=max_queue, pinned=pinned,
             tenant=t.name if t else "", weight=t.weight if t else 1.0, max_queued=(t.max_queued or 0) if t else 0,
+            blocks=list(blocks),
         )
         status, queued, deadline, now, *why = await self._pump(
             self.scripts.submit, plan, ks, [*head, wire.encode(opts), body])

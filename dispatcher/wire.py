@@ -28,6 +28,9 @@ class SubmitOptions(msgspec.Struct, frozen=True):
     tenant: str = ""
     weight: float = 1.0
     max_queued: int = 0
+    # Cache-aware dispatch (a model with affinity): the chained hashes of the prompt's blocks
+    # (dispatcher/affinity.py), or the one of its conversation key; none otherwise.
+    blocks: list[str] = []
 
 
 encode = msgspec.json.Encoder().encode
@@ -58,6 +61,16 @@ class LaneSpec(msgspec.Struct, frozen=True):
     band: int  # rank, 0 first
     hold_ms: int  # the model's hold_when_unavailable_ms
     candidates: list[Candidate]
+    # Cache-aware dispatch (the model's affinity; load_bound 0: off): the bound, the keys of
+    # the model's index (block -> providers that served it) and of its recency (block -> last
+    # use ms), and the index's bounds.
+    load_bound: float = 0.0
+    index: int = 0
+    recency: int = 0
+    index_max: int = 0
+    index_ttl_ms: int = 0
+    look_ahead: int = 0
+    max_wait_ms: int = 0
 
 
 class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -72,6 +85,8 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     vtime: int = 0
     ftags: int = 0
     park: str = ""
+    # Cache-aware dispatch's counters: '<model>\t<hit|miss|spill>' -> decisions.
+    affinity_stats: int = 0
     # A plan of one lane carries it here, and has no lane fields or set: one read.
     only: LaneSpec | None = None
 

@@ -73,6 +73,7 @@ local rec = {
   submitted_ms = now, attempt = 1, endpoint = opts.endpoint, stream = opts.stream,
   lane = opts.lane ~= '' and opts.lane or nil, tenant = tenant, tag = score,
   pin = opts.pinned and LANE.candidates[1].provider or nil,
+  blocks = #opts.blocks > 0 and opts.blocks or nil,
 }
 put_record(job, rec)
 count(rec, 'q', 1)

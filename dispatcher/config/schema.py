@@ -7,6 +7,7 @@ its ``$.path``; what needs more than one field to judge is :mod:`dispatcher.conf
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -154,6 +155,30 @@ class DispatchConfig(_Base, frozen=True):
         return min(self.lease_ms // 3, self.replica_ttl_ms // 2)
 
 
+class AffinityConfig(_Base, frozen=True):
+    """Cache-aware dispatch of a model group (``lua/lib/pump.lua`` affine; docs/DESIGN.md).
+
+    ``prefix``: a request goes, within the load bound, to a provider that served the
+    longest head of its prompt (``dispatcher/affinity.py`` blocks_of), whose KV cache likely
+    holds it. ``session``: a conversation (``x-session-id``, ``user``, Anthropic
+    ``metadata.user_id``) stays on one provider within the bound. ``off``: the lowest
+    ``in_flight / capacity`` always (S04)."""
+
+    mode: Literal["off", "prefix", "session"] = "off"
+    # Affinity may choose a provider only while its load ratio, with this request, stays at
+    # most load_bound x the mean of the lane's (consistent hashing with bounded loads).
+    load_bound: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
+    # The index of which provider served which prompt blocks (per model group): at most this
+    # many blocks, and none unused for longer than index_ttl_s (oldest forgotten first).
+    index_max_blocks: Annotated[int, msgspec.Meta(ge=16, le=10_000_000)] = 200_000
+    index_ttl_s: Annotated[int, msgspec.Meta(ge=1)] = 3600
+    # Under saturation: a slot that frees on a provider the first waiting job's head is not
+    # held by may go to one of the next look_ahead jobs whose head it holds; the first job
+    # is passed over so for at most max_wait_ms (then it takes the next slot, wherever).
+    look_ahead: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
+    max_wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 500
+
+
 class ModelConfig(_Base, frozen=True):
     id: str
     providers: dict[str, str]
@@ -161,6 +186,7 @@ class ModelConfig(_Base, frozen=True):
     max_queue: int | None = None
     queue_timeout_ms: int | None = None
     hold_when_unavailable_ms: int | None = None
+    affinity: AffinityConfig = AffinityConfig()
 
 
 class ProviderConfig(_Base, frozen=True):

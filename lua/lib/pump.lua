@@ -50,6 +50,9 @@ local PARK_BUDGET = 256
 local BLOCKED_SKIPS = 16
 -- Waiting jobs one call drops because their deadline passed (their APIs collect them).
 local EXPIRE_BUDGET = 64
+-- Providers a block of the prefix index remembers (latest first): a hot head that spilled
+-- keeps its second and third homes.
+local HOLDERS = 4
 
 -- A number as Redis should store it: every digit a double has.
 local function num(x)
@@ -444,10 +447,130 @@ local function pump(now)
     end
   end
 
+  -- Cache-aware dispatch (a lane whose model has affinity, a job with blocks: the chained
+  -- hashes of its prompt's blocks, or the one of its conversation). The lane's index
+  -- (lane.index) maps a block to the providers that served a prompt with that head, latest
+  -- first. The job goes to the one holding the longest head, among those that may run it
+  -- and are within the load bound -- its load ratio with this job at most lane.load_bound x
+  -- the lane's mean, (inf + 1) / cap <= bound x (sum inf + 1) / (sum cap) -- the least
+  -- loaded if several; a head whose holders are all over the bound spills to a shorter
+  -- head's, then to `default` (the S04 choice). A provider that cannot take work (down,
+  -- drained, removed: state) holds nothing. Returns the candidate, 'hit' | 'miss' | 'spill',
+  -- and the index's entries of the job's blocks (remember writes them back).
+  local function affine(lane, rec, default)
+    local held = redis.call('HMGET', KEYS[BASE + lane.index], unpack(rec.blocks))
+    local eligible, total_inf, total_cap = {}, 0, 0
+    for _, cand in ipairs(lane.candidates) do
+      local s = state(KEYS[BASE + cand.provider_key])
+      if s.ok and serves(cand, rec) and not excluded(rec, cand.provider) then
+        eligible[cand.provider] = cand
+        total_inf, total_cap = total_inf + s.inf, total_cap + s.cap
+      end
+    end
+    -- Within the bound: at most ceil(bound x (sum inf + 1) x cap / sum cap) jobs with this
+    -- one (the ceiling lets a lightly loaded lane place at all: consistent hashing with
+    -- bounded loads, capacity-weighted).
+    local function within(s)
+      return s.inf < s.cap and s.inf + 1 <= math.ceil(lane.load_bound * (total_inf + 1) * s.cap / total_cap - 1e-9)
+    end
+    local spilled = false
+    for i = #rec.blocks, 1, -1 do
+      if held[i] then
+        local best, bs
+        for pid in string.gmatch(held[i], '[^,]+') do
+          local cand = eligible[pid]
+          if cand then
+            local s = state(KEYS[BASE + cand.provider_key])
+            if within(s) then
+              if best == nil or s.inf * bs.cap < bs.inf * s.cap then best, bs = cand, s end
+            else
+              spilled = true
+            end
+          end
+        end
+        if best then return best, 'hit', held end
+      end
+    end
+    if spilled then return default, 'spill', held end
+    -- A head no provider holds goes where S04 sends any job, the lowest in_flight/capacity;
+    -- among providers tied there (an idle lane: all of them), to the one its first block
+    -- hashes highest with (rendezvous hashing), not the lowest id, so that new heads spread
+    -- over the lane and every replica picks the same home.
+    local home, hs, top
+    for pid, cand in pairs(eligible) do
+      local s = state(KEYS[BASE + cand.provider_key])
+      if s.inf < s.cap then
+        local score = redis.sha1hex(rec.blocks[1] .. '|' .. pid)
+        local l, r = home and s.inf * hs.cap, home and hs.inf * s.cap
+        if home == nil or l < r or (l == r and score > top) then home, hs, top = cand, s, score end
+      end
+    end
+    return home or default, 'miss', held
+  end
+
+  -- Provider `pid` now holds the job's blocks: first among each block's holders (at most
+  -- HOLDERS kept), each block's last use now; then the index kept within its bounds (at
+  -- most lane.index_max blocks, none unused for lane.index_ttl_ms), oldest first.
+  local function remember(lane, rec, pid, held)
+    local index, recency = KEYS[BASE + lane.index], KEYS[BASE + lane.recency]
+    local entries, uses = {}, {}
+    for i, block in ipairs(rec.blocks) do
+      local list, n = pid, 1
+      for other in string.gmatch(held[i] or '', '[^,]+') do
+        if other ~= pid and n < HOLDERS then
+          list, n = list .. ',' .. other, n + 1
+        end
+      end
+      entries[#entries + 1], entries[#entries + 2] = block, list
+      uses[#uses + 1], uses[#uses + 2] = now, block
+    end
+    redis.call('HSET', index, unpack(entries))
+    redis.call('ZADD', recency, unpack(uses))
+    local gone = redis.call('ZRANGEBYSCORE', recency, '-inf', now - lane.index_ttl_ms, 'LIMIT', 0, 256)
+    local excess = redis.call('ZCARD', recency) - #gone - lane.index_max
+    if excess > 0 then
+      for _, block in ipairs(redis.call('ZRANGE', recency, #gone, #gone + math.min(excess, 256) - 1)) do
+        gone[#gone + 1] = block
+      end
+    end
+    if #gone > 0 then
+      redis.call('HDEL', index, unpack(gone))
+      redis.call('ZREM', recency, unpack(gone))
+    end
+  end
+
+  -- Under saturation (affinity): the head job `rec` spilled -- the providers holding its
+  -- prompt's head are over the bound -- and `cand` is the one free. Rather than run it
+  -- there uncached, `cand` goes to the first of the next lane.look_ahead jobs whose head
+  -- `cand` holds (the deepest block of theirs anyone holds), if one may run now; the head
+  -- keeps its place for a slot of its own. A head is passed over so for at most
+  -- lane.max_wait_ms from the first time (rec.passed_ms), then it runs where a slot frees.
+  local function look_ahead(lane, rec, cand)
+    if lane.look_ahead == 0 or (rec.passed_ms ~= nil and now - rec.passed_ms >= lane.max_wait_ms) then
+      return nil
+    end
+    local index = KEYS[BASE + lane.index]
+    for _, job in ipairs(redis.call('ZRANGE', queue_of(lane), 1, lane.look_ahead)) do
+      local r = may_run(job) and get_record(job)
+      local dl = r and tonumber(redis.call('ZSCORE', DEADLINES, job))
+      if r and r.blocks and serves(cand, r) and not excluded(r, cand.provider) and (dl == nil or dl > now) then
+        local held = redis.call('HMGET', index, unpack(r.blocks))
+        for i = #r.blocks, 1, -1 do
+          if held[i] then
+            if string.find(',' .. held[i] .. ',', ',' .. cand.provider .. ',', 1, true) then return job end
+            break
+          end
+        end
+      end
+    end
+    return nil
+  end
+
   -- Dispatch: give job `job` of `lane` to `cand` (or, when the job may not go there, to the
   -- best candidate that may take it). Returns 'ok', 'gone' (no record), or 'blocked' (the
   -- only free candidates are ones it may not use: it waits for another to free up).
-  local function dispatch(job, lane, cand)
+  local dispatch
+  dispatch = function(job, lane, cand, looked)
     local qkey = queue_of(lane)
     local rec = get_record(job)
     if rec == nil then
@@ -464,6 +587,24 @@ local function pump(now)
         cand = pick(lane, rec)
       end
       if cand == nil then return 'blocked' end
+    end
+    local decision, held
+    if lane.load_bound > 0 and rec.blocks then
+      local chosen
+      chosen, decision, held = affine(lane, rec, cand)
+      if decision == 'spill' and not looked then
+        local other = look_ahead(lane, rec, cand)
+        if other ~= nil then
+          if rec.passed_ms == nil then
+            rec.passed_ms = now
+            put_record(job, rec)
+          end
+          return dispatch(other, lane, cand, true)
+        end
+      end
+      cand = chosen
+      remember(lane, rec, cand.provider, held)
+      redis.call('HINCRBY', KEYS[BASE + PLAN.affinity_stats], lane.model .. '\t' .. decision, 1)
     end
     local pkey, nkey = KEYS[BASE + cand.provider_key], KEYS[BASE + cand.node_key]
     redis.call('ZREM', qkey, job)

@@ -105,12 +105,15 @@ def test_worker_killed_before_output_the_job_runs_again(system: System) -> None:
     doomed = system.worker("n1", "worker-doomed")
     system.api()
     system.wait_available("p")
-    fake.control(delay_ms=1500)
+    # Long enough that the first run is still going when its worker dies, however slowly the
+    # survivor starts on a busy machine; the run after it answers at once.
+    fake.control(delay_ms=20_000)
     request = Background(lambda: post(system))
     request.start()
     system.wait_until("job running on the doomed worker", busy(fake))
     survivor = system.worker("n1", "worker-survivor")
     system.wait_serving(survivor)
+    fake.control(delay_ms=0)
     doomed.kill()
     request.join(timeout=60)
     resp = request.result

@@ -1260,11 +1260,13 @@ async def test_a_probe_the_worker_itself_stalled_through_is_made_again(
 
     runtime.overrides["/health"] = first_hangs
     loop = asyncio.get_running_loop()
-    loop.call_later(0.05, time.sleep, 0.8)  # the whole loop stops, as a frozen process does
+    # The whole loop stops, as a frozen process does, for more than twice the timeout (which
+    # leaves the probe made again a whole second, even on a busy machine).
+    loop.call_later(0.05, time.sleep, 2.5)
     if busy:
-        result = await busy_probe("vllm", runtime.url, session, timeout_s=0.2)
+        result = await busy_probe("vllm", runtime.url, session, timeout_s=1.0)
     else:
-        result = await probe("vllm", runtime.url, session, timeout_s=0.2)
+        result = await probe("vllm", runtime.url, session, timeout_s=1.0)
     assert result is not None
     assert result.healthy, result
     assert runtime.paths.count("/health") == 2

@@ -1,0 +1,218 @@
+"""Cache-aware dispatch in the scripts (``lua/lib/pump.lua`` affine, remember), against a real
+Redis: a prompt's head stays with the provider that served it, within the load bound; a
+provider that cannot take work holds nothing; the index stays within its bounds; API
+replicas that never talk to each other agree, since the index is in Redis."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from api.intake import affinity_blocks
+from api.metrics import RequestMetrics
+from dispatcher import config as cfg
+from dispatcher import keys
+from dispatcher.affinity import blocks_of
+from dispatcher.api_side import ApiSide
+from dispatcher.catalog import read_catalog
+from dispatcher.plans import Plans
+from dispatcher.protocol import ScriptCalls
+from dispatcher.scripts import Scripts
+from tests.dispatcher.test_scripts import Harness
+
+pytestmark = pytest.mark.anyio
+
+
+def affine_config(capacities: dict[str, int], **affinity: Any) -> cfg.Config:
+    return cfg.parse({
+        "nodes": [{"id": "n1", "providers": [
+            {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": cap, "models": [f"m@{pid}"]}
+            for pid, cap in capacities.items()]}],
+        "models": [{"id": "m", "providers": {pid: f"m@{pid}" for pid in capacities},
+                    "affinity": {"mode": "prefix", **affinity}}],
+    }).config
+
+
+def chat(system: str, question: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": question}]}).encode()
+
+
+TENANT_DOCS = {t: f"You answer for tenant {t}. " + f"Policy {t} clause. " * 300 for t in "abcdefgh"}
+
+
+class AffineHarness(Harness):
+    async def send(self, body: bytes, api: ApiSide | None = None) -> tuple[str, str | None]:
+        """Submit a chat request with its prompt's blocks; (job, the provider it went to)."""
+        job = uuid.uuid4().hex
+        lane = self.calls.plans.main_lane("m")
+        result = await (api or self.api).submit(job, lane, body, "chat/completions", False,
+                                                blocks=blocks_of("chat/completions", body))
+        assert result.status in ("dispatched", "queued"), result
+        rec = await self.record(job)
+        return job, rec.provider if rec is not None else None
+
+    async def done(self, job: str) -> None:
+        await self.node.finish(await self.assignment(job), b"", mode="done")
+
+    async def stats(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(keys.AFFINITY_STATS)
+        return {k.decode().split("\t")[1]: int(v) for k, v in raw.items()}
+
+
+async def started(redis: Redis, config: cfg.Config) -> AffineHarness:
+    h = AffineHarness(redis, config)
+    for _, prov in config.providers():
+        await h.up(prov.id)
+    return h
+
+
+async def test_a_shared_head_goes_back_to_the_provider_that_served_it(any_redis: Redis) -> None:
+    h = await started(any_redis, affine_config({"a": 8, "b": 8, "c": 8, "d": 8}))
+    homes: dict[str, str | None] = {}
+    for t, doc in TENANT_DOCS.items():
+        job, homes[t] = await h.send(chat(doc, f"first question of {t}"))
+        await h.done(job)
+    # Load alone would have spread each tenant's requests over every provider; each tenant's
+    # later questions (a different tail every time) go where its document was computed.
+    for round_ in range(3):
+        for t, doc in TENANT_DOCS.items():
+            job, where = await h.send(chat(doc, f"question {round_} of {t}, worded differently"))
+            assert where == homes[t], (t, round_)
+            await h.done(job)
+    assert await h.stats() == {"miss": 8, "hit": 24}
+    # The eight documents found homes on more than one provider (the S04 choice on a miss).
+    assert len(set(homes.values())) > 1
+
+
+async def test_without_affinity_dispatch_is_the_s04_rule(any_redis: Redis) -> None:
+    config = cfg.parse({
+        "nodes": [{"id": "n1", "providers": [
+            {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 4, "models": [f"m@{pid}"]}
+            for pid in "ab"]}],
+        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}}],
+    }).config
+    h = await started(any_redis, config)
+    doc = TENANT_DOCS["a"]
+    # Blocks sent for a model without affinity change nothing: lowest in_flight/capacity, then id.
+    placed = [(await h.send(chat(doc, f"q{i}")))[1] for i in range(4)]
+    assert placed == ["a", "b", "a", "b"]
+    assert await any_redis.exists(keys.affinity("m"), keys.AFFINITY_STATS) == 0
+
+
+async def test_a_head_spills_at_the_load_bound_and_gains_a_second_home(any_redis: Redis) -> None:
+    h = await started(any_redis, affine_config({"a": 4, "b": 4}, load_bound=1.5))
+    doc = TENANT_DOCS["a"]
+    first, home = await h.send(chat(doc, "q0"))
+    other = "b" if home == "a" else "a"
+    running = [first]
+    # Its home takes it while (inf + 1) / 4 <= 1.5 x (total + 1) / 8: at 1, 2 and 3 running
+    # there ((1+1)/4 <= 1.5*2/8 ... (3+1)/4 > 1.5*4/8 is where it stops).
+    placed = []
+    for i in range(1, 4):
+        job, where = await h.send(chat(doc, f"q{i}"))
+        running.append(job)
+        placed.append(where)
+    assert placed == [home, home, other], placed
+    # The spill made the other provider a second home: with the first home full up to the
+    # bound, the head's next request goes to the second, whose cache now holds it too.
+    job, where = await h.send(chat(doc, "q4"))
+    assert where == other
+    assert (await h.stats())["spill"] >= 1
+    held = (await any_redis.hget(keys.affinity("m"), blocks_of("chat/completions", chat(doc, "q4"))[0])).decode()
+    assert set(held.split(",")) == {"a", "b"}
+
+
+async def test_a_provider_that_cannot_take_work_holds_nothing(any_redis: Redis) -> None:
+    h = await started(any_redis, affine_config({"a": 8, "b": 8}))
+    doc = TENANT_DOCS["b"]
+    job, home = await h.send(chat(doc, "q0"))
+    await h.done(job)
+    assert home is not None
+    other = "b" if home == "a" else "a"
+    await h.calls.drain(home, "drain")
+    job, where = await h.send(chat(doc, "q1"))
+    assert where == other
+    await h.done(job)
+    await h.calls.drain(home, "resume")
+    await h.up(other, "unavailable")
+    job, where = await h.send(chat(doc, "q2"))
+    assert where == home
+
+
+async def test_the_index_stays_within_its_bounds(any_redis: Redis) -> None:
+    h = await started(any_redis, affine_config({"a": 64, "b": 64}, index_max_blocks=40))
+    for i in range(30):
+        job, _ = await h.send(chat(f"document {i} " * 400, "q"))  # about 5 blocks each
+        await h.done(job)
+    assert await any_redis.zcard(keys.affinity_recency("m")) <= 40
+    assert await any_redis.hlen(keys.affinity("m")) == await any_redis.zcard(keys.affinity_recency("m"))
+    # The newest survive: the last document's head still goes home.
+    last = chat("document 29 " * 400, "again")
+    first_block = blocks_of("chat/completions", last)[0]
+    assert await any_redis.hexists(keys.affinity("m"), first_block)
+
+
+async def test_replicas_that_never_talk_agree_on_homes(any_redis: Redis) -> None:
+    config = affine_config({"a": 8, "b": 8, "c": 8})
+    h = await started(any_redis, config)
+    replicas = [ApiSide(ScriptCalls(Scripts(any_redis), config, Plans(config)), any_redis, f"rep{i}")
+                for i in range(3)]
+    homes: dict[str, Counter[str | None]] = {t: Counter() for t in "abcdef"}
+    for round_ in range(4):
+        for i, t in enumerate("abcdef"):
+            job, where = await h.send(chat(TENANT_DOCS[t], f"q{round_}"), api=replicas[(i + round_) % 3])
+            homes[t][where] += 1
+            await h.done(job)
+    assert all(len(places) == 1 for places in homes.values()), homes
+
+
+@pytest.mark.parametrize(("mode", "headers", "body", "expect"), [
+    ("off", {}, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 0),
+    ("prefix", {}, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, 1),
+    ("session", {"x-session-id": "conv-1"}, {"model": "m", "messages": []}, 1),
+    ("session", {}, {"model": "m", "user": "alice", "messages": []}, 1),
+    ("session", {}, {"model": "m", "messages": []}, 0),
+])
+def test_what_a_request_is_keyed_by(mode: str, headers: dict[str, str], body: dict[str, Any], expect: int) -> None:
+    config = cfg.parse({
+        "nodes": [{"id": "n1", "providers": [{"id": "a", "type": "vllm", "base_url": "http://x", "models": ["s"]}]}],
+        "models": [{"id": "m", "providers": {"a": "s"}, "affinity": {"mode": mode}}],
+    }).config
+    model = config.model("m")
+    assert model is not None
+    blocks = affinity_blocks(model, "chat/completions", json.dumps(body).encode(), headers)
+    assert len(blocks) == expect
+
+
+def test_a_conversation_keeps_its_key_whatever_its_prompt() -> None:
+    config = cfg.parse({
+        "nodes": [{"id": "n1", "providers": [{"id": "a", "type": "vllm", "base_url": "http://x", "models": ["s"]}]}],
+        "models": [{"id": "m", "providers": {"a": "s"}, "affinity": {"mode": "session"}}],
+    }).config
+    model = config.model("m")
+    assert model is not None
+    one = affinity_blocks(model, "chat/completions", chat("x", "first").decode().encode(), {"x-session-id": "c"})
+    two = affinity_blocks(model, "chat/completions", chat("y", "second").decode().encode(), {"x-session-id": "c"})
+    other = affinity_blocks(model, "chat/completions", chat("x", "first").decode().encode(), {"x-session-id": "d"})
+    assert one == two != other
+
+
+async def test_the_catalog_shows_the_index_and_the_decisions(any_redis: Redis) -> None:
+    config = affine_config({"a": 8, "b": 8}, index_max_blocks=1000)
+    h = await started(any_redis, config)
+    for i in range(3):
+        job, _ = await h.send(chat(TENANT_DOCS["c"], f"q{i}"))
+        await h.done(job)
+    view = next(m for m in (await read_catalog(any_redis, config)).models if m.id == "m")
+    assert view.affinity is not None
+    assert (view.affinity.mode, view.affinity.load_bound, view.affinity.index_max_blocks) == ("prefix", 1.25, 1000)
+    assert view.affinity.decisions == {"hit": 2, "miss": 1, "spill": 0}
+    assert view.affinity.index_blocks == await any_redis.zcard(keys.affinity_recency("m")) > 0
+    text = RequestMetrics().render(await read_catalog(any_redis, config)).decode()
+    assert 'iop_affinity_decisions_total{model="m",result="hit"} 2.0' in text
