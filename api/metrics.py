@@ -60,6 +60,11 @@ class RequestMetrics:
             "iop_tokens", "Tokens of the answers, as their providers reported them: kind prompt or completion",
             ["model", "provider", "kind", "tenant"], registry=self.registry,
         )
+        self.cached_tokens = Counter(
+            "iop_cached_tokens", "Prompt tokens the provider served from its prefix cache, where it reports them "
+            "(over iop_tokens_total{kind=\"prompt\"}: its cache hit rate)",
+            ["model", "provider"], registry=self.registry,
+        )
 
     def render(self, catalog: Catalog | None) -> bytes:
         if self.multiprocess:
@@ -107,6 +112,8 @@ class RequestClock:
             tokens = self.metrics.tokens
             tokens.labels(self.model, self.provider, "prompt", self.tenant).inc(usage.prompt)
             tokens.labels(self.model, self.provider, "completion", self.tenant).inc(usage.completion)
+            if usage.cached:
+                self.metrics.cached_tokens.labels(self.model, self.provider).inc(usage.cached)
         self.metrics.latency.labels(*labels).observe(time.perf_counter() - self.started)
         if self.trace is not None:
             self.trace.end(status, self.model, self.tenant, usage)

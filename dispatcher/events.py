@@ -31,6 +31,9 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
 
     prompt: int
     completion: int
+    # Of the prompt tokens, those the provider served from its prefix cache, where it says
+    # (workers/usage.py; 0 otherwise). Last, so that older readers ignore it.
+    cached: int = 0
 
 
 class Start(msgspec.Struct, tag="start", array_like=True):

@@ -66,10 +66,15 @@ class _Counts(msgspec.Struct):
     total_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
     cache_read_input_tokens: int | None = None
+    prompt_cache_hit_tokens: int | None = None
+    # Raw (empty when absent): their shapes vary, and one that is odd must not lose the rest.
+    prompt_tokens_details: msgspec.Raw = msgspec.Raw()
+    input_tokens_details: msgspec.Raw = msgspec.Raw()
 
 
 class _Answer(msgspec.Struct):
     usage: _Counts | None = None
+    timings: msgspec.Raw = msgspec.Raw()  # llama.cpp's: cache_n
 
 
 class _Chunk(msgspec.Struct):
@@ -79,6 +84,7 @@ class _Chunk(msgspec.Struct):
     # Raw (empty when absent): msgspec takes no Raw in a union.
     response: msgspec.Raw = msgspec.Raw()  # Responses lifecycle events
     message: msgspec.Raw = msgspec.Raw()  # Anthropic message_start
+    timings: msgspec.Raw = msgspec.Raw()  # llama.cpp's: cache_n
 
 
 _answer = msgspec.json.Decoder(_Answer)
@@ -112,10 +118,35 @@ def _pair(c: _Counts | None) -> tuple[int | None, int | None]:
     return prompt, completion
 
 
-def _usage(prompt: int | None, completion: int | None) -> Usage | None:
+def _usage(prompt: int | None, completion: int | None, cached: int | None = None) -> Usage | None:
     if prompt is None and completion is None:
         return None
-    return Usage(max(prompt or 0, 0), max(completion or 0, 0))
+    return Usage(max(prompt or 0, 0), max(completion or 0, 0), cached or 0)
+
+
+_loose = msgspec.json.Decoder()
+
+
+def _cached_in(raw: msgspec.Raw, key: str) -> int | None:
+    """The count ``key`` of a JSON object left raw (None if it is no object, or says none)."""
+    try:
+        held = _loose.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return _count(held.get(key)) if isinstance(held, dict) else None
+
+
+def _cached(c: _Counts | None, timings: msgspec.Raw) -> int | None:
+    """The prompt tokens served from the cache, as this ``usage`` (and llama.cpp's
+    ``timings``) say them: the sources of :func:`cached_tokens_of`, in its order."""
+    if c is not None:
+        for details in (c.prompt_tokens_details, c.input_tokens_details):
+            if details and (n := _cached_in(details, "cached_tokens")) is not None:
+                return n
+        for n in (c.cache_read_input_tokens, c.prompt_cache_hit_tokens):
+            if n is not None and n >= 0:
+                return n
+    return _cached_in(timings, "cache_n") if timings else None
 
 
 def json_usage(call: ProviderCall, status: int, content_type: str, body: bytes) -> Usage | None:
@@ -125,9 +156,10 @@ def json_usage(call: ProviderCall, status: int, content_type: str, body: bytes) 
     if _USAGE not in body:
         return None
     try:
-        return _usage(*_pair(_answer.decode(body).usage))
+        answer = _answer.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return None
+    return _usage(*_pair(answer.usage), _cached(answer.usage, answer.timings))
 
 
 class StreamUsage:
@@ -140,10 +172,11 @@ class StreamUsage:
         self.hide = call.usage_asked and self.on and not self.typed
         self._prompt: int | None = None
         self._completion: int | None = None
+        self._cached: int | None = None
 
     @property
     def usage(self) -> Usage | None:
-        return _usage(self._prompt, self._completion)
+        return _usage(self._prompt, self._completion, self._cached)
 
     def feed(self, payloads: list[bytes]) -> list[bytes]:
         """``payloads`` as the caller is to get them, their usage noted on the way."""
@@ -184,6 +217,9 @@ class StreamUsage:
             if counts is None and holder:
                 counts = _held(holder)
         prompt, completion = _pair(counts)
+        cached = _cached(counts, chunk.timings)
+        if cached is not None:
+            self._cached = cached
         if prompt is not None:
             self._prompt = prompt
         if completion is not None:

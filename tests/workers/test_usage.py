@@ -103,7 +103,7 @@ OPENAI_IMAGE = obj({
     ("completions", OPENAI_COMPLETION, Usage(5, 7)),
     ("embeddings", OPENAI_EMBEDDINGS, Usage(5, 0)),
     ("responses", OPENAI_RESPONSE, Usage(36, 87)),
-    ("messages", ANTHROPIC_MESSAGE, Usage(2095 + 5 + 100, 503)),
+    ("messages", ANTHROPIC_MESSAGE, Usage(2095 + 5 + 100, 503, 100)),
     ("rerank", VLLM_RERANK, Usage(28, 0)),
     ("score", VLLM_SCORE, Usage(10, 0)),
     ("audio/transcriptions", OPENAI_TRANSCRIPTION, Usage(14, 45)),
@@ -208,7 +208,7 @@ def metered(endpoint: str, payloads: list[bytes], asked: bool = False, stream: b
     ("completions", [chunk([{"index": 0, "text": "Hi", "finish_reason": None}]), chunk([], usage=USAGE)],
      Usage(12, 8)),
     ("responses", RESPONSES_STREAM, Usage(36, 87)),
-    ("messages", ANTHROPIC_STREAM, Usage(30, 15)),
+    ("messages", ANTHROPIC_STREAM, Usage(30, 15, 5)),
     ("audio/transcriptions", TRANSCRIPT_STREAM, Usage(14, 45)),
     ("chat/completions", [chunk([delta("Hi")]), chunk([delta("", "stop")])], None),
 ])
@@ -528,3 +528,23 @@ def test_a_bad_count_in_one_place_does_not_hide_a_good_one_in_another() -> None:
     assert cached_tokens_of(payload) == 4
     payload = {"usage": {"prompt_tokens_details": {"cached_tokens": None}}, "timings": {"cache_n": 9}}
     assert cached_tokens_of(payload) == 9
+
+
+@pytest.mark.parametrize(("body", "cached"), [
+    (b'{"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":64}}}', 64),
+    (b'{"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":null}}', 0),
+    (b'{"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":"x"}}}', 0),
+    (b'{"usage":{"prompt_tokens":100,"completion_tokens":5},"timings":{"cache_n":80,"prompt_n":20}}', 80),
+    (b'{"usage":{"prompt_tokens":100,"completion_tokens":5,"prompt_cache_hit_tokens":30}}', 30),
+])
+def test_the_cached_prompt_tokens_travel_with_the_usage(body: bytes, cached: int) -> None:
+    # An odd details object loses the cached count, never the prompt and completion counts.
+    assert json_usage(call("chat/completions"), 200, "application/json", body) == Usage(100, 5, cached)
+
+
+def test_a_stream_reports_the_cached_tokens_of_its_usage_chunk() -> None:
+    reader = StreamUsage(call("chat/completions", stream=True), ENDPOINTS["chat/completions"])
+    reader.feed([b'{"choices":[{"delta":{"content":"a"}}]}',
+                 b'{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,'
+                 b'"prompt_tokens_details":{"cached_tokens":8}},"timings":{"cache_n":8}}'])
+    assert reader.usage == Usage(9, 1, 8)
