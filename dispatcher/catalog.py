@@ -57,6 +57,12 @@ class ProviderView(msgspec.Struct):
     drain: str | None = None
     # Completion tokens per second over about the last 10 s, fleet-wide (tokens_per_s()).
     tokens_per_s: float = 0.0
+    # Prompt tokens of its finished jobs (as its answers' usage said them), and of them those
+    # it served from its prefix cache, since its hash began (lua/finish.lua); the ratio, None
+    # while it has reported no cached token at all (a provider that does not say, or cold).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_hit_rate: float | None = None
 
 
 class CandidateView(msgspec.Struct):
@@ -331,6 +337,7 @@ def _provider_view(
     endpoints = _json_list(fields.get("endpoints"))
     missing = [m for m in prov.models if reported is not None and m not in reported]
     hb_ms = fields.get("hb_ms")
+    prompt_tokens, cached_tokens = int(fields.get("prompt_tokens", 0)), int(fields.get("cached_tokens", 0))
     return ProviderView(
         id=prov.id,
         node_id=node_id,
@@ -353,4 +360,7 @@ def _provider_view(
         slots=_slots(fields.get("slots")),
         drain=drain_state(fields.get("drain"), in_flight),
         tokens_per_s=tokens_per_s(fields, now),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        cache_hit_rate=round(cached_tokens / prompt_tokens, 4) if cached_tokens and prompt_tokens else None,
     )

@@ -213,9 +213,11 @@ class ScriptCalls:
         return EmitOutcome(result.decode())
 
     async def finish(
-        self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0
+        self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
+        prompt: int = 0, cached: int = 0,
     ) -> FinishOutcome:
-        """``tokens``: the completion tokens the job generated, for its provider's throughput."""
+        """``tokens``: the completion tokens the job generated, for its provider's throughput;
+        ``prompt``, ``cached``: its prompt tokens and those the provider served from its cache."""
         base = job.lane.partition("#")[0]
         # A lane of one provider may be the lane of the jobs pinned to it (the stream entry
         # does not say): its home is the same lane under the new config either way.
@@ -224,7 +226,7 @@ class ScriptCalls:
         outcome, _, *woken = await self._pump(
             self.scripts.finish, plan, ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens],
+             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens, prompt, cached],
         )
         result = FinishOutcome(outcome.decode())
         await self._wake(job.provider, [*woken, *([queue.encode()] if result == FinishOutcome.REQUEUED else [])])

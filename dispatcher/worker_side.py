@@ -34,13 +34,16 @@ class WorkerSide:
             await self.redis.xadd(keys.reply(job.replica), {"job": job.job, "event": event})
 
     async def finish(
-        self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0
+        self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
+        prompt: int = 0, cached: int = 0,
     ) -> FinishOutcome:
         """Final event + release + ack. ``requeue`` (the worker gives the job up unfinished)
         and ``retry`` (its provider failed it before any output) dispatch it again if none
         of its output reached the client, else its client gets ``event``. ``tokens``: the
-        completion tokens the job generated (its provider's tokens per second)."""
-        return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens)
+        completion tokens the job generated (its provider's tokens per second); ``prompt``,
+        ``cached``: its prompt tokens, and those served from the provider's cache."""
+        return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens, prompt=prompt,
+                                       cached=cached)
 
     async def remember_response(self, response_id: str, job: Assignment) -> None:
         """A stored Response was made by the job's provider: later calls on it go there."""

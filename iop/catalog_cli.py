@@ -65,7 +65,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         return f"{code}{text}{RESET}" if colour else text
 
     providers = {p["id"]: p for p in doc["providers"]}
-    headers = ["PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "TOK/S", "MODELS"]
+    headers = ["PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "TOK/S", "CACHE", "MODELS"]
     rows: list[tuple[str, list[str], list[str | None]]] = []
     for node in doc["nodes"]:
         for pid in node["providers"]:
@@ -74,10 +74,13 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
             # An operator's drain shows beside the probe's health: ``available (draining)``.
             health = p["health"] + (f" ({p['drain']})" if p.get("drain") else "")
+            # The share of its prompt tokens it served from its prefix cache, where it says.
+            hit = p.get("cache_hit_rate")
+            cache = "-" if hit is None else f"{hit:.0%}"
             cells = [p["id"], p["type"], p["category"], health,
                      f"{bar(p['in_flight'], p['capacity'])} {capacity_text(p)} {ratio}",
-                     str(p["queued"]), f"{p.get('tokens_per_s', 0):.0f}", models]
-            codes: list[str | None] = [None, None, None, HEALTH_COLOUR.get(p["health"]), None, None, None, None]
+                     str(p["queued"]), f"{p.get('tokens_per_s', 0):.0f}", cache, models]
+            codes: list[str | None] = [None, None, None, HEALTH_COLOUR.get(p["health"]), None, None, None, None, None]
             rows.append((node["id"], cells, codes))
     widths = [max([len(h)] + [len(r[1][i]) for r in rows]) for i, h in enumerate(headers)]
 

@@ -23,6 +23,9 @@
 --            is released here, to the provider's token window (tok_t0 start ms of the
 --            current 10 s bucket, tok_cur its tokens, tok_prev the bucket before), which
 --            dispatcher/catalog.py turns into tokens per second
+-- ARGV[14]   prompt tokens of the job, ARGV[15] of them, those its provider served from its
+--            prefix cache (0: none reported): added, on a real release, to the provider's
+--            totals prompt_tokens and cached_tokens (the catalog's cache hit rate)
 -- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
 -- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
@@ -41,7 +44,8 @@ if not owned(rec, ARGV[5]) then
   return {'stale', 0}
 end
 local woken = {}
-if release_slot(job, PROVIDER, rec) then woken = released(rec) end
+local released_here = release_slot(job, PROVIDER, rec)
+if released_here then woken = released(rec) end
 local now = now_ms()
 local tokens = tonumber(ARGV[13]) or 0
 if tokens > 0 then
@@ -55,6 +59,11 @@ if tokens > 0 then
   else
     redis.call('HSET', PROVIDER, 'tok_cur', cur + tokens)
   end
+end
+local prompt, cached = tonumber(ARGV[14]) or 0, tonumber(ARGV[15]) or 0
+if released_here and prompt > 0 then
+  redis.call('HINCRBY', PROVIDER, 'prompt_tokens', prompt)
+  if cached > 0 then redis.call('HINCRBY', PROVIDER, 'cached_tokens', cached) end
 end
 local outcome = 'released'
 if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then

@@ -93,11 +93,20 @@ _object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _NULL = b"null"
 
 
+def final_usage(final: Event | None) -> Usage:
+    """The tokens of a finished job as its final event says them (zeros when it says none):
+    what ``lua/finish.lua`` adds to its provider's throughput and cache totals."""
+    if isinstance(final, Done | End) and final.usage is not None:
+        return final.usage
+    return _NONE
+
+
+_NONE = Usage(0, 0)
+
+
 def completion_tokens(final: Event | None) -> int:
     """The tokens a finished job generated (its provider's throughput, ``lua/finish.lua``)."""
-    if isinstance(final, Done | End) and final.usage is not None:
-        return final.usage.completion
-    return 0
+    return final_usage(final).completion
 
 
 def counted(call: ProviderCall) -> bool:

@@ -80,7 +80,7 @@ from workers.adapters.factory import make_adapter
 from workers.adapters.openai_http import HttpSession, new_session, session_size
 from workers.sink import JobAborted, RedisSink
 from workers.stored_responses import stored_response_sink
-from workers.usage import ASKABLE, completion_tokens
+from workers.usage import ASKABLE, final_usage
 
 log = logging.getLogger("iop.worker")
 
@@ -508,7 +508,9 @@ class Worker:
             try:
                 if sink is not None and data is not None and mode == "done":
                     await sink.flush()
-                outcome = await self.side.finish(job, data, mode=mode, tokens=completion_tokens(final))
+                usage = final_usage(final)
+                outcome = await self.side.finish(job, data, mode=mode, tokens=usage.completion,
+                                                 prompt=usage.prompt, cached=usage.cached)
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
                     log.info("job %s %s: %s", job.job, why, outcome, extra=job.log_context())

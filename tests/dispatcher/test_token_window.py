@@ -132,3 +132,23 @@ async def test_the_catalog_shows_the_rate(h: Harness) -> None:
     await run_one(h, 30)
     after: Any = await read_catalog(h.redis, h.config)
     assert after.providers[0].tokens_per_s == pytest.approx(3.0)
+
+
+async def test_prompt_and_cached_tokens_add_up_to_the_providers_cache_hit_rate(h: Harness) -> None:
+    for prompt, cached in ((1000, 900), (500, 0), (500, 100)):
+        job, _ = await h.submit("m")
+        assert await h.node.finish(await h.assignment(job), b"x", tokens=5, prompt=prompt, cached=cached) == "released"
+    raw = await h.redis.hmget(keys.provider("a"), ["prompt_tokens", "cached_tokens"])
+    assert [int(v) for v in raw] == [2000, 1000]
+    view = next(p for p in (await read_catalog(h.redis, h.config)).providers if p.id == "a")
+    assert (view.prompt_tokens, view.cached_tokens, view.cache_hit_rate) == (2000, 1000, 0.5)
+    # A fenced-off worker's finish (its job was taken over) adds nothing.
+    assert await run_one(h, 3, fence_delta=1) == "stale"
+    assert int(await h.redis.hget(keys.provider("a"), "prompt_tokens")) == 2000
+
+
+async def test_a_provider_that_reports_no_cached_tokens_has_no_hit_rate(h: Harness) -> None:
+    job, _ = await h.submit("m")
+    await h.node.finish(await h.assignment(job), b"x", prompt=300)
+    view = next(p for p in (await read_catalog(h.redis, h.config)).providers if p.id == "a")
+    assert (view.prompt_tokens, view.cache_hit_rate) == (300, None)
