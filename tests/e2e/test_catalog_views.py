@@ -144,7 +144,8 @@ def test_cli_table_groups_providers_by_node(system: System) -> None:
         assert EXPECTED_CATEGORY[pid] in row.split(), row
     assert set(rows) == set(EXPECTED_HEALTH)
     # hosted is full (1/1) and its group has two waiting: a full bar and the queued count.
-    assert "██████████ 1/1 1.00 2 0 m-hosted" in " ".join(rows["hosted"].split())  # ... queued, tok/s, models
+    # ... queued, tok/s, cache hit rate (none reported: -), models
+    assert "██████████ 1/1 1.00 2 0 - m-hosted" in " ".join(rows["hosted"].split())
     assert "░░░░░░░░░░ 0/2 0.00" in rows["up"]
     assert "503" in text  # sick's probe reason is printed under it
     assert "never seen" in text
