@@ -13,13 +13,15 @@ providers it may go to, and what is stored for its worker.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Request
 
+from api.ratelimits import limits_for
+from dispatcher import wire
 from dispatcher.affinity import blocks_of, session_block, session_of
 from dispatcher.config import ModelConfig
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
@@ -54,6 +56,44 @@ class Intake:
     # Cache-aware dispatch (the model's affinity): its prompt's block hashes, or its
     # conversation's (dispatcher/affinity.py); empty when off.
     blocks: tuple[str, ...] = ()
+    # Its tenant's rate limits and budget, with its token estimate (api/ratelimits.py).
+    limits: wire.Limits | None = None
+    # x-iop-deadline-ms: the longest the caller waits for it to start (0: not said).
+    deadline_ms: int = 0
+    body: bytes = b""  # as it came (a fallback's affinity blocks are computed from it)
+    fell_back_from: str | None = None  # the model it was asked for, when a fallback takes it
+
+
+DEADLINE_HEADER = "x-iop-deadline-ms"
+
+
+def _deadline(headers: Mapping[str, str]) -> int:
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise InvalidRequest(f"{DEADLINE_HEADER} must be a positive number of milliseconds, got {raw!r}",
+                             param=DEADLINE_HEADER)
+    return value
+
+
+def fallbacks(request: Request[Any, Any, Any], gw: Gateway, intake: Intake) -> Iterator[Intake]:
+    """The request as each of its model's fallbacks would take it, in order: those its tenant
+    may call that serve its endpoint (a request on a stored Response has none)."""
+    if intake.pinned:
+        return
+    for fb_id in intake.model.fallbacks:
+        model = gw.models.get(fb_id)
+        found = gw.plans.lane_for(fb_id, intake.endpoint) if model is not None else None
+        if model is None or found is None or not intake.tenant.allows(fb_id):
+            continue
+        blocks = (affinity_blocks(model, intake.endpoint, intake.body, request.headers) if intake.blocks else ())
+        yield replace(intake, model=model, lane=_in_band(request, gw, intake.tenant, found), blocks=blocks,
+                      fell_back_from=intake.model.id)
 
 
 def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
@@ -106,12 +146,22 @@ async def take(
     if previous is not None and endpoint == RESPONSES:
         provider = await _maker(gw, previous, "previous_response_id")
         lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, provider, previous))
-        return Intake(model, endpoint, stream, lane, True, stored, tenant)
+        return Intake(model, endpoint, stream, lane, True, stored, tenant,
+                      limits=limits_for(tenant, body, True), deadline_ms=_deadline(request.headers))
+    asked = None
     found = gw.plans.lane_for(model.id, endpoint)
     if found is None:
-        raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
+        # A fallback that serves it (its tenant may call) takes it, else it is refused.
+        for fb_id in model.fallbacks:
+            fb = gw.models.get(fb_id)
+            if fb is not None and tenant.allows(fb_id) and (found := gw.plans.lane_for(fb_id, endpoint)) is not None:
+                asked, model = model.id, fb
+                break
+        else:
+            raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
     return Intake(model, endpoint, stream, _in_band(request, gw, tenant, found), False, stored, tenant,
-                  affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else ())
+                  affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else (),
+                  limits_for(tenant, body, content_type == JSON), _deadline(request.headers), body, asked)
 
 
 async def take_stored(
@@ -132,7 +182,8 @@ async def take_stored(
         path += f"?{request.url.query}"
     envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request), traceparent)
     lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, stored.provider, response_id))
-    return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant)
+    return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant,
+                  limits=limits_for(tenant, body, False, generates=False))
 
 
 def affinity_blocks(model: ModelConfig, endpoint: str, body: bytes, headers: Mapping[str, str]) -> tuple[str, ...]:

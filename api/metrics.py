@@ -60,11 +60,19 @@ class RequestMetrics:
             "iop_tokens", "Tokens of the answers, as their providers reported them: kind prompt or completion",
             ["model", "provider", "kind", "tenant"], registry=self.registry,
         )
+        self.fallbacks = Counter(
+            "iop_fallbacks", "Requests a model's fallback took (models[].fallbacks), by the model asked for "
+            "and the one that took it", ["model", "fallback"], registry=self.registry,
+        )
         self.cached_tokens = Counter(
             "iop_cached_tokens", "Prompt tokens the provider served from its prefix cache, where it reports them "
             "(over iop_tokens_total{kind=\"prompt\"}: its cache hit rate)",
             ["model", "provider"], registry=self.registry,
         )
+
+    def fell_back(self, model: str, fallback: str) -> None:
+        """A fallback of ``model`` took a request (both ids come from the config)."""
+        self.fallbacks.labels(model, fallback).inc()
 
     def render(self, catalog: Catalog | None) -> bytes:
         if self.multiprocess:
@@ -193,3 +201,21 @@ class _CatalogCollector(Collector):
                 if t.models is None or m.id in t.models or (t.name, m.id) in waiting:
                     queued.add_metric([t.name, m.id], waiting.get((t.name, m.id), 0))
         yield from (queued, in_flight)
+        limited = [t for t in self.catalog.tenants if t.limits is not None]
+        if not limited:
+            return
+        used = GaugeMetricFamily("iop_tenant_tokens_used", "Tokens a limited tenant used: in the sliding minute "
+                                 "of its tokens_per_minute, and today (UTC) against its tokens_per_day",
+                                 labels=["tenant", "window"])
+        refused = CounterMetricFamily("iop_rate_limited", "Requests its limits refused, by limit "
+                                      "(requests, tokens, budget), across the fleet", labels=["tenant", "limit"])
+        for t in limited:
+            lim = t.limits
+            assert lim is not None
+            if lim.tokens_per_minute:
+                used.add_metric([t.name, "minute"], lim.tokens_used)
+            if lim.tokens_per_day:
+                used.add_metric([t.name, "day"], lim.tokens_used_today)
+            for kind, n in lim.refused.items():
+                refused.add_metric([t.name, kind], n)
+        yield from (used, refused)

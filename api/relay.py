@@ -7,15 +7,17 @@ the served name).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from redis.exceptions import RedisError
 
+from api import ratelimits
 from api.answers import failure, json_answer, sse_answer
 from api.gateway import Gateway
-from api.intake import take, take_stored
+from api.intake import Intake, fallbacks, take, take_stored
 from api.metrics import RequestClock
 from api.streams import no_slot
 from api.waiting import ClientGone, HangUpWatch, JobWait
@@ -23,6 +25,7 @@ from dispatcher import tracing
 from dispatcher.endpoints import ENDPOINTS
 from dispatcher.events import Chunks, Done, Failed
 from dispatcher.exceptions import (
+    DeadlineUnmeetable,
     JobCancelled,
     NoProviderAvailable,
     QueueFull,
@@ -32,7 +35,7 @@ from dispatcher.exceptions import (
     TenantQueueFull,
     WorkerLost,
 )
-from dispatcher.protocol import SubmitStatus
+from dispatcher.protocol import SubmitStatus, Submitted
 
 
 async def relay(
@@ -56,6 +59,18 @@ async def relay(
         raise
 
 
+# The statuses a model's fallbacks are tried on: it cannot take the request at once.
+FALL_BACK_ON = frozenset({SubmitStatus.NO_PROVIDER, SubmitStatus.FULL, SubmitStatus.TENANT_FULL,
+                          SubmitStatus.DEADLINE_UNMEETABLE})
+# Says which model served the answer (a fallback's id when one did).
+MODEL_HEADER = "x-iop-model"
+
+
+async def _submit(gw: Gateway, wait: JobWait, intake: Intake) -> Submitted:
+    return await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, intake.stream,
+                                intake.pinned, intake.tenant, intake.blocks, intake.limits, intake.deadline_ms)
+
+
 async def _relay(
     request: Request[Any, Any, Any], gw: Gateway, endpoint: str, clock: RequestClock, response_id: str | None,
     rest: str,
@@ -70,6 +85,8 @@ async def _relay(
         intake = await take_stored(request, gw, response_id, rest, tenant, traceparent)
     model_id, stream = intake.model.id, intake.stream
     clock.model = model_id
+    if intake.fell_back_from is not None:
+        gw.metrics.fell_back(intake.fell_back_from, model_id)
     spec = ENDPOINTS[intake.endpoint]
     release_slot = gw.streams.acquire() if stream else no_slot
 
@@ -77,16 +94,32 @@ async def _relay(
     wait = JobWait(gw, job_id, model_id, intake.lane.queue)
     hang_up = HangUpWatch(request, wait.waiter)
     handed_off = False
+    limit_headers: dict[str, str] = {}
     if trace is not None:
         trace.submitted(job_id)
     try:
         try:
-            submitted = await gw.jobs.submit(wait.job_id, intake.lane, intake.stored, intake.endpoint, stream,
-                                             intake.pinned, tenant, intake.blocks)
+            submitted = await _submit(gw, wait, intake)
+            if submitted.status in FALL_BACK_ON and intake.model.fallbacks:
+                for other in fallbacks(request, gw, intake):
+                    tried = await _submit(gw, wait, other)
+                    if tried.status in (SubmitStatus.DISPATCHED, SubmitStatus.QUEUED):
+                        gw.metrics.fell_back(intake.model.id, other.model.id)
+                        submitted, intake, model_id = tried, other, other.model.id
+                        wait.model_id, wait.queue_key, clock.model = model_id, intake.lane.queue, model_id
+                        break
+                    if tried.status not in FALL_BACK_ON:
+                        submitted = tried  # its tenant's limits: no other model changes that
+                        break
         except RedisError as exc:
             # Not settled: the last try may have gone through with its reply lost, so the
             # wait's close cancels the job (held through the outage too).
             raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+        if submitted.limits:
+            limit_headers = ratelimits.headers(submitted.limits, spec.errors == "anthropic")
+            if submitted.status in (SubmitStatus.RATE_LIMITED, SubmitStatus.BUDGET_EXHAUSTED):
+                wait.settled = True
+                raise ratelimits.refusal(submitted.status, submitted.limits, tenant, spec.errors == "anthropic")
         if submitted.status == SubmitStatus.FULL:
             wait.settled = True
             raise QueueFull(
@@ -104,6 +137,12 @@ async def _relay(
         if submitted.status == SubmitStatus.NO_PROVIDER:
             wait.settled = True
             raise NoProviderAvailable(f"No provider of '{model_id}' is available ({submitted.why}); retry later")
+        if submitted.status == SubmitStatus.DEADLINE_UNMEETABLE:
+            wait.settled = True
+            wait_ms = int(submitted.why or 0)
+            raise DeadlineUnmeetable(
+                f"'{model_id}' cannot start this request within its deadline: its queue is about "
+                f"{wait_ms / 1000:.1f} s longer than that; retry later", retry_after=max(math.ceil(wait_ms / 1000), 1))
         wait.waiting(submitted)
         first = await wait.next_event()
         hang_up.stop()
@@ -116,14 +155,24 @@ async def _relay(
             trace.first(first)
         if isinstance(first, Done):
             clock.done(first.status, first.usage)
-            return json_answer(first, model_id)
-        if isinstance(first, Failed):
+            answer: Response[Any] = json_answer(first, model_id)
+        elif isinstance(first, Failed):
             raise failure(first)
-        # From here the stream owns the slot and the wait, and ends them when it ends.
-        handed_off = True
-        return sse_answer(wait, first, model_id, clock, release_slot, spec)
+        else:
+            # From here the stream owns the slot and the wait, and ends them when it ends.
+            handed_off = True
+            answer = sse_answer(wait, first, model_id, clock, release_slot, spec)
+        if limit_headers:
+            answer.headers.update(limit_headers)
+        answer.headers[MODEL_HEADER] = model_id
+        return answer
     except ClientGone:
         raise JobCancelled("The client closed the connection") from None
+    except RequestError as exc:
+        if limit_headers:
+            for name, value in limit_headers.items():
+                exc.headers.setdefault(name, value)
+        raise
     finally:
         hang_up.stop()
         if not handed_off:

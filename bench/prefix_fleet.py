@@ -33,7 +33,11 @@ Targets (``--targets``):
   affinity.
 * ``iop-prefix``, ``iop-prefix-x3``: the same with ``affinity: {mode: prefix, load_bound:
   1.25}`` on the model (its other settings at their defaults), through one or three API
-  processes (the load generator takes them in turn).
+  processes (the load generator takes them in turn); ``--affinity`` (JSON) overrides its
+  settings.
+* ``iop-prefix-deep``: ``iop-prefix`` with each provider's capacity 4x ``--iop-capacity``:
+  the servers queue what they cannot run yet, as behind sglang-router, and affinity places
+  every request on arrival.
 * ``sglang-router``, ``sglang-router-x3``: the real sglang-router from PyPI (pinned
   below), policy ``cache_aware`` with its defaults, installed on first use into
   ``.venv-servers/sglang-router`` as ``./dev`` installs the real servers; one router, or
@@ -55,6 +59,7 @@ import asyncio
 import bisect
 import hashlib
 import itertools
+import json
 import math
 import os
 import random
@@ -90,7 +95,8 @@ ROUTER_PACKAGES: Final = ("sglang-router==0.3.2",)
 ROUTER_VENV: Final = ROOT / ".venv-servers" / "sglang-router"
 
 VARIANTS: Final = ("equal", "skewed", "unique")
-TARGETS: Final = ("rr", "chash", "iop", "iop-prefix", "iop-prefix-x3", "sglang-router", "sglang-router-x3")
+TARGETS: Final = ("rr", "chash", "iop", "iop-prefix", "iop-prefix-x3", "iop-prefix-deep", "sglang-router",
+                   "sglang-router-x3")
 HOT_SHARE: Final = 0.30  # the skewed variant's busiest tenant
 CHASH_POINTS: Final = 100  # ring points per server
 KEY_CHARS: Final = 1024  # prompt characters the consistent-hashing reference hashes
@@ -418,10 +424,13 @@ class Iop(Target):
         self.capacity = capacity
         self.affinity = affinity
         self.replicas = replicas
-        mode = f"affinity {affinity['mode']}, load_bound {affinity['load_bound']}" if affinity else "no affinity"
+        mode = ("affinity " + ", ".join(f"{k} {v}" if k != "mode" else str(v) for k, v in affinity.items())
+                if affinity else "no affinity")
         api = "1 API process" if replicas == 1 else f"{replicas} API processes, taken in turn"
+        api += f", capacity {capacity}"
         self.label = f"iop, {mode} ({api})"
         self.stack: FleetStack | None = None
+        self.decisions: dict[str, int] = {}  # the model's affinity decisions in the last run
 
     def skip_reason(self) -> str | None:
         return iop_rejects(self.affinity) if self.affinity is not None else None
@@ -436,6 +445,13 @@ class Iop(Target):
 
     def stop(self) -> None:
         if self.stack is not None:
+            if self.affinity is not None:
+                try:
+                    with urllib.request.urlopen(self.urls[0] + "/catalog", timeout=5) as answer:
+                        models = msgspec.json.decode(answer.read())["models"]
+                    self.decisions = next(m["affinity"]["decisions"] for m in models if m.get("affinity"))
+                except (OSError, KeyError, StopIteration, msgspec.DecodeError) as exc:
+                    print(f"{self.name}: no affinity decisions from /catalog: {exc!r}", flush=True)
             self.stack.__exit__()
             shutil.rmtree(self.stack.dir, ignore_errors=True)  # its config and logs; a failed start quotes its log
             self.stack = None
@@ -497,6 +513,8 @@ class SglangRouter(Target):
         python, why = router_python()
         if python is None:
             raise RuntimeError(why)
+        stop_all(self.procs, timeout=10)  # a start that failed left them: they are not this run's
+        self.procs = []
         ports = [free_port() for _ in range(self.replicas)]
         env = dict(os.environ)
         for k, port in enumerate(ports):
@@ -505,10 +523,16 @@ class SglangRouter(Target):
             self.procs.append(child.start())
         for child, port in zip(self.procs, ports, strict=True):
             wait_http(child, f"http://127.0.0.1:{port}/readiness", timeout=60)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=5) as resp:
-                ready = msgspec.json.decode(resp.read())
-            if ready.get("healthy_workers") != len(fleet.urls):
-                raise RuntimeError(f"sglang-router sees {ready} of {len(fleet.urls)} servers")
+            # Ready with the first workers it checked: wait until it has checked them all.
+            deadline = time.monotonic() + 60
+            while True:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=5) as resp:
+                    ready = msgspec.json.decode(resp.read())
+                if ready.get("healthy_workers") == len(fleet.urls):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sglang-router sees {ready} of {len(fleet.urls)} servers")
+                time.sleep(0.5)
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.turn = itertools.count()
 
@@ -521,12 +545,14 @@ class SglangRouter(Target):
 
 
 def make_targets(names: Sequence[str], args: argparse.Namespace, directory: Path) -> list[Target]:
+    affinity = {**AFFINITY, **args.affinity}
     makers: dict[str, Callable[[], Target]] = {
         "rr": RoundRobin,
         "chash": lambda: ConsistentHash(args.epsilon),
         "iop": lambda: Iop("iop", args.iop_capacity),
-        "iop-prefix": lambda: Iop("iop-prefix", args.iop_capacity, AFFINITY),
-        "iop-prefix-x3": lambda: Iop("iop-prefix-x3", args.iop_capacity, AFFINITY, replicas=3),
+        "iop-prefix": lambda: Iop("iop-prefix", args.iop_capacity, affinity),
+        "iop-prefix-x3": lambda: Iop("iop-prefix-x3", args.iop_capacity, affinity, replicas=3),
+        "iop-prefix-deep": lambda: Iop("iop-prefix-deep", args.iop_capacity * 4, affinity),
         "sglang-router": lambda: SglangRouter("sglang-router", 1, directory),
         "sglang-router-x3": lambda: SglangRouter("sglang-router-x3", 3, directory),
     }
@@ -615,6 +641,7 @@ class Run:
     server_requests: list[int] = field(default_factory=list)
     server_stats: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
+    decisions: dict[str, int] = field(default_factory=dict)  # iop's affinity decisions (whole run)
 
     def measured(self) -> list[Result]:
         return [r for r in self.results if r.sent >= self.warmup]
@@ -660,6 +687,7 @@ async def measure(target: Target, fleet: Fleet, trace: Sequence[Arrival], warmup
         run.results = await run_trace(target, trace)
     finally:
         target.stop()
+    run.decisions = dict(getattr(target, "decisions", {}))
     async with aiohttp.ClientSession() as http:
         run.server_stats = await fleet.stats(http)
     run.server_requests = [s["requests"] for s in run.server_stats]
@@ -829,6 +857,10 @@ async def main(args: argparse.Namespace) -> str:
                       f"errors {run.errors()}, late steps {run.late_steps() * 100:.1f}% "
                       f"({time.monotonic() - started:.0f} s)", flush=True)
             table = scenario_table(runs, args.slo_ms / 1000)
+            decided = [f"{r.label}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(r.decisions.items()))
+                       for r in runs if r.decisions]
+            if decided:
+                table += "\nAffinity decisions over the whole run (warm-up included): " + "; ".join(decided) + ".\n"
             print(f"\n{heading}\n\n{table}", flush=True)
             out.append(f"**{heading}**\n\n{table}")
     if skipped:
@@ -861,6 +893,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epsilon", type=float, default=0.25, help="the consistent-hashing reference's load bound")
     parser.add_argument("--iop-capacity", type=int, default=SimConfig().max_batch,
                         help="each iop provider's capacity (default: the servers' max batch)")
+    parser.add_argument("--affinity", type=json.loads, default={},
+                        help="iop-prefix's affinity settings over the defaults, as JSON")
     parser.add_argument("--slo-ms", type=float, default=2000.0, help="the TTFT goodput counts")
     parser.add_argument("--seed", default="iop-23")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")

@@ -67,6 +67,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError
 
+from api.ratelimits import limits_for
 from api.waiting import ReplyReader
 from bench.stack import Stack, markdown_table, percentile, write_section
 from dispatcher import config as cfg
@@ -521,8 +522,19 @@ async def script_costs(url: str, top: Topology, jobs_n: int) -> list[list[str]]:
                     found.append((job, RedisSink(worker.slots, job, "n0")))
         return found
 
-    def finish(job: Assignment, sink: RedisSink) -> Callable[[], Awaitable[Any]]:
+    def finish(job: Assignment, sink: RedisSink, usage: bool = False) -> Callable[[], Awaitable[Any]]:
+        if usage:  # a limited tenant's tokens settled against the estimate it reserved
+            return lambda: worker.slots.finish(job, events.encode(sink.final_event()), tokens=64, prompt=300)
         return lambda: worker.slots.finish(job, events.encode(sink.final_event()))
+
+    # A tenant with every limit (none ever reached): what admission adds to a submit and a finish.
+    limited = Tenant("bench", 0, limits=cfg.KeyLimits(requests_per_minute=10**9, tokens_per_minute=10**12,
+                                                      tokens_per_day=10**15))
+
+    def submit_limited(job_id: str) -> Callable[[], Awaitable[Any]]:
+        lane = api.jobs.calls.plans.main_lane(config.models[0].id)
+        return lambda: api.jobs.submit(job_id, lane, top.body, "chat/completions", False, tenant=limited,
+                                       limits=limits_for(limited, top.body, True))
 
     def chunk(sink: RedisSink, i: int) -> Callable[[], Awaitable[Any]]:
         return lambda: sink.chunks([worker.payloads[i]])
@@ -534,6 +546,12 @@ async def script_costs(url: str, top: Topology, jobs_n: int) -> list[list[str]]:
         for _job, sink in json_jobs:
             await sink.done(200, top.answer, "application/json")
         await step("finish, JSON answer", "evalsha", [finish(job, sink) for job, sink in json_jobs])
+        await step("submit, a tenant with rate limits and a budget", "evalsha",
+                   [submit_limited(f"l{i}") for i in range(jobs_n)])
+        limited_jobs = await assignments(jobs_n)
+        for _job, sink in limited_jobs:
+            await sink.done(200, top.answer, "application/json")
+        await step("finish, settling its tokens", "evalsha", [finish(job, sink, True) for job, sink in limited_jobs])
         await step("submit (stream)", "evalsha", [submit(f"s{i}", True) for i in range(jobs_n)])
         stream_jobs = await assignments(jobs_n)
         await step("emit, first chunk", "evalsha", [chunk(sink, 0) for _job, sink in stream_jobs])

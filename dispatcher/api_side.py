@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.holding import held
 from dispatcher.plans import Lane
 from dispatcher.protocol import Cancelled, CancelReason, ScriptCalls, SubmitStatus, Submitted
@@ -42,7 +42,8 @@ class ApiSide:
 
     async def submit(
         self, job_id: str, lane: Lane, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
-        tenant: Tenant | None = None, blocks: Sequence[str] = (),
+        tenant: Tenant | None = None, blocks: Sequence[str] = (), limits: wire.Limits | None = None,
+        deadline_ms: int = 0,
     ) -> Submitted:
         tries = 0
 
@@ -50,7 +51,7 @@ class ApiSide:
             nonlocal tries
             tries += 1
             return await self.calls.submit(job_id, lane, self.replica_id, body, endpoint, stream, pinned, tenant,
-                                           blocks)
+                                           blocks, limits, deadline_ms)
 
         submitted = await held(once, self.hold_s)
         if submitted.status == SubmitStatus.DUPLICATE and tries > 1:

@@ -16,6 +16,7 @@ read, so a stale counter of a tenant no longer in the config never shows.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, cast
 
 import msgspec
@@ -107,6 +108,19 @@ class ModelView(msgspec.Struct):
     affinity: AffinityView | None = None
 
 
+class TenantLimitsView(msgspec.Struct):
+    """A tenant's rate limits and budget (``api.keys[].limits``), and what it used of them:
+    in the sliding minute (``lua/lib/limits.lua``), and today (UTC). None: no such limit."""
+
+    requests_per_minute: int | None
+    requests_used: int
+    tokens_per_minute: int | None
+    tokens_used: int
+    tokens_per_day: int | None
+    tokens_used_today: int
+    refused: dict[str, int]  # requests | tokens | budget -> refusals so far
+
+
 class TenantView(msgspec.Struct):
     """A configured tenant (named caller key, or ``default``) and its jobs, all groups."""
 
@@ -118,6 +132,7 @@ class TenantView(msgspec.Struct):
     max_in_flight: int | None
     queued: int
     in_flight: int
+    limits: TenantLimitsView | None = None
 
 
 class NodeView(msgspec.Struct):
@@ -191,7 +206,7 @@ def _tenants(config: Config) -> tuple[list[Tenant], bool]:
     """The tenants whose counters the catalog reads, in config order -- none without flow
     control; else the named keys and ``default`` -- and whether ``default`` is one requests
     can be (``api_keys_env``, an open API); if not, it is shown only while it has jobs."""
-    if not flow_control(config):
+    if not flow_control(config) and not any(k.limits for k in config.api.keys):
         return [], False
     tenants = Tenants(config)
     named = [tenants.by_name[k.name] for k in config.api.keys]
@@ -241,7 +256,12 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             pipe.hgetall(keys.AFFINITY_STATS)
         if counter_fields:
             pipe.hmget(keys.TENANTS, counter_fields)
+        limited = any(t.limits for t in tenants)
+        if limited:
+            pipe.hgetall(keys.LIMITS)
         replies: list[Any] = await pipe.execute()
+    limit_state = ({k.decode(): v.decode() for k, v in cast(dict[bytes, bytes], replies.pop()).items()}
+                   if limited else {})
     counters = _counters(counter_fields, replies.pop() if counter_fields else [])
     affinity_views = _affinity_views(affine, replies[len(replies) - len(affine) - 1:] if affine else [])
     if affine:
@@ -307,12 +327,34 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             max_in_flight=t.max_in_flight,
             queued=counters.get(f"q:{t.name}", 0),
             in_flight=counters.get(f"r:{t.name}", 0),
+            limits=_limits_view(t, limit_state, now),
         )
         for t in tenants
     ]
     tenant_views = [v for v in tenant_views
                     if v.name != DEFAULT_TENANT or default_configured or v.queued or v.in_flight]
     return Catalog(now, list(views.values()), models, nodes, tenant_views)
+
+
+def _limits_view(t: Tenant, state: dict[str, str], now: int) -> TenantLimitsView | None:
+    lim = t.limits
+    if lim is None:
+        return None
+
+    def used(field: str, per_minute: int | None) -> int:
+        # '<arrival time ms>|<the limit it was computed under>' (lua/lib/limits.lua).
+        tat, _, under = state.get(f"{field}:{t.name}", "").partition("|")
+        if not per_minute or not tat:
+            return 0
+        return math.ceil(max(float(tat) - now, 0) * int(under or per_minute) / 60_000 - 1e-9)
+
+    day, _, today = state.get(f"d:{t.name}", "").partition(":")
+    return TenantLimitsView(
+        requests_per_minute=lim.requests_per_minute, requests_used=used("r", lim.requests_per_minute),
+        tokens_per_minute=lim.tokens_per_minute, tokens_used=used("t", lim.tokens_per_minute),
+        tokens_per_day=lim.tokens_per_day,
+        tokens_used_today=max(int(today), 0) if day and int(day) == now // 86_400_000 else 0,
+        refused={kind: int(state.get(f"x:{t.name}:{kind}", 0)) for kind in ("requests", "tokens", "budget")})
 
 
 def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:

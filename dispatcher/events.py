@@ -157,6 +157,16 @@ class Assignment(msgspec.Struct, frozen=True):
         )
 
 
+class RecordLimits(msgspec.Struct, frozen=True):
+    """``rec.limits``: what a limited tenant's job reserved (``lua/submit.lua``)."""
+
+    tenant: str
+    tokens_per_minute: int
+    tokens_per_day: int
+    tokens: int
+    day: int
+
+
 class JobRecord(msgspec.Struct, frozen=True):
     """A job's record in the ``{iop}:jobs`` hash, as the scripts write it (``lua/submit.lua``
     creates it, ``lua/lib/*.lua`` move it on; Lua uses these names: ``rec.<field>``,
@@ -192,7 +202,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     # Cache-aware dispatch: its prompt's block hashes (or its conversation's), for the prefix
     # index (dispatcher/affinity.py); absent without affinity.
     blocks: list[str] | dict[str, str] = []
-    passed_ms: int | None = None  # when a job holding its head was first dispatched before it
+    passed_ms: int | None = None  # when it was first passed over for, or held for, its home
+    # A limited tenant's token reservation, settled by finish (lua/lib/limits.lua).
+    limits: RecordLimits | None = None
 
 
 _record_decoder = msgspec.json.Decoder(JobRecord)

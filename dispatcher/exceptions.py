@@ -19,7 +19,12 @@ Hierarchy::
         ├── BodyTooLarge            413 request_too_large
         ├── QueueFull               429 queue_full, with Retry-After
         ├── TenantQueueFull         429 tenant_queue_full, with Retry-After
+        ├── RateLimited             429 rate_limited (a tenant's requests or tokens per minute),
+        │                           with Retry-After from the window
+        ├── BudgetExhausted         429 budget_exhausted (its tokens per day), Retry-After: midnight UTC
         ├── QueueTimeout            503 queue_timeout, with Retry-After
+        ├── DeadlineUnmeetable      503 deadline_unmeetable (its predicted queue wait is over its
+        │                           x-iop-deadline-ms or the model's refuse_predicted_over_ms)
         ├── NoProviderAvailable     503 no_provider_available (every provider of the request is
         │                           down, drained or unheard-of; each one's reason), with Retry-After
         ├── Overloaded              503 server_overloaded, with Retry-After
@@ -184,6 +189,25 @@ class TenantQueueFull(RequestError):
     status = 429
     type = "rate_limit_error"
     code = "tenant_queue_full"
+    retry_after = 1
+
+
+class RateLimited(RequestError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limited"
+
+
+class BudgetExhausted(RequestError):
+    status = 429
+    type = "rate_limit_error"
+    code = "budget_exhausted"
+
+
+class DeadlineUnmeetable(RequestError):
+    status = 503
+    type = "server_error"
+    code = "deadline_unmeetable"
     retry_after = 1
 
 

@@ -78,6 +78,10 @@ FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
 AFFINITY_STATS = f"{PREFIX}:aff:stats"
+# Each lane's drain rate while it has a backlog (lua/lib/pump.lua note_drain).
+DRAIN_RATES = f"{PREFIX}:drain"
+# The tenants' rate limits and budgets (lua/lib/limits.lua: r:/t:/d:/x: fields per tenant).
+LIMITS = f"{PREFIX}:limits"
 RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"
 
 # The keys every job script takes first (lua/lib/jobs.lua), and the dispatch scripts'
@@ -117,6 +121,12 @@ def affinity(model_id: str) -> str:
 def affinity_recency(model_id: str) -> str:
     """When each block of a model group's prefix index was last used (oldest forgotten first)."""
     return f"{PREFIX}:afft:{model_id}"
+
+
+def affinity_footprint(model_id: str) -> str:
+    """How many blocks of a model group's prefix index each provider holds (a new prefix
+    goes where the fewest are, per unit of capacity: the servers' caches fill evenly)."""
+    return f"{PREFIX}:affn:{model_id}"
 
 
 def node(node_id: str) -> str:

@@ -103,8 +103,9 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         aff = model.affinity
         if aff.mode != "off":
             spec = msgspec.structs.replace(
-                spec, load_bound=aff.load_bound, index=pos(keys.affinity(model.id)),
-                recency=pos(keys.affinity_recency(model.id)), index_max=aff.index_max_blocks,
+                spec, load_bound=aff.load_bound, load_floor=aff.load_floor, index=pos(keys.affinity(model.id)),
+                recency=pos(keys.affinity_recency(model.id)),
+                footprint=pos(keys.affinity_footprint(model.id)), index_max=aff.index_max_blocks,
                 index_ttl_ms=aff.index_ttl_s * 1000, look_ahead=aff.look_ahead, max_wait_ms=aff.max_wait_ms)
         specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
@@ -113,9 +114,9 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         head = wire.PlanHeader(
             fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
             limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
-            park=keys.parked(""), affinity_stats=stats, only=only)
+            park=keys.parked(""), affinity_stats=stats, rates=pos(keys.DRAIN_RATES), only=only)
     else:
-        head = wire.PlanHeader(affinity_stats=stats, only=only)
+        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.DRAIN_RATES), only=only)
     header = wire.encode(head)
     lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
     key_list = list(index)

@@ -53,6 +53,9 @@ class SubmitStatus(StrEnum):
     DUPLICATE = "duplicate"  # a retried submit whose first try went through
     UNAVAILABLE = "unavailable"  # pinned to one provider, which cannot take work
     TENANT_FULL = "tenant_full"  # its tenant has max_queued jobs waiting
+    RATE_LIMITED = "rate_limited"  # its tenant's requests or tokens per minute (lua/lib/limits.lua)
+    BUDGET_EXHAUSTED = "budget_exhausted"  # its tenant's tokens per day
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"  # its predicted queue wait is over its deadline
     NO_PROVIDER = "no_provider"  # none of its providers can take work, and the model holds nothing
 
 
@@ -108,6 +111,8 @@ class Submitted:
     wait_ms: int  # until the queue deadline, on the server's clock
     # UNAVAILABLE, NO_PROVIDER: each provider's reason ("a: stale heartbeat ...; b: ...").
     why: str = ""
+    # A limited tenant's windows after this submit (lua/lib/limits.lua admit_limits, JSON).
+    limits: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +159,7 @@ class ScriptCalls:
         d = config.dispatch
         self._lease_ms = d.lease_ms
         self._queue_limits = {m.id: (config.queue_timeout_ms(m), config.max_queue(m)) for m in config.models}
+        self._shed = {m.id: config.refuse_predicted_over_ms(m) or 0 for m in config.models}
         refusal = wire.Refusal(keys.reply(""), keys.replica_jobs(""), REPLY_KEEP_MS, REFUSE_LIMIT)
         self._refusal = wire.encode(refusal)
         self._sweep = wire.encode(msgspec.structs.replace(refusal, silent_is_down=True))
@@ -162,27 +168,36 @@ class ScriptCalls:
 
     async def submit(
         self, job: str, lane: Lane, replica: str, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
-        tenant: Tenant | None = None, blocks: Sequence[str] = (),
+        tenant: Tenant | None = None, blocks: Sequence[str] = (), limits: wire.Limits | None = None,
+        deadline_ms: int = 0,
     ) -> Submitted:
         """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``).
-        ``blocks``: cache-aware dispatch's keys of the request (``api/intake.py``)."""
+        ``blocks``: cache-aware dispatch's keys of the request (``api/intake.py``).
+        ``limits``: its tenant's rate limits and budget, with the request's token estimate.
+        ``deadline_ms``: the longest the caller will wait for it to start (0: the model's
+        queue timeout); a wait predicted to be longer is refused at once."""
         plan = self.plans.by_lane.get((lane.model, lane.name))
         if plan is None or lane.model not in self._queue_limits:
             # A reload took the model (or this lane of it) away while the request was read.
             raise ModelNotFound(lane.model)
-        ks, head = plan.args((*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica)), self._lease_ms)
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.SEQ, lane.queue, keys.replica_jobs(replica), keys.LIMITS),
+                             self._lease_ms)
         timeout_ms, max_queue = self._queue_limits[lane.model]
+        predict_ms = self._shed[lane.model]
+        if deadline_ms > 0:
+            timeout_ms = min(timeout_ms, deadline_ms)
+            predict_ms = min(predict_ms or deadline_ms, deadline_ms)
         t = (tenant or DEFAULT) if self.plans.fair else None
         opts = wire.SubmitOptions(
             job=job, model=lane.model, replica=replica, endpoint=endpoint, stream=int(stream), lane=lane.name,
             timeout_ms=timeout_ms, max_queue=max_queue, pinned=pinned,
             tenant=t.name if t else "", weight=t.weight if t else 1.0, max_queued=(t.max_queued or 0) if t else 0,
-            blocks=list(blocks),
+            blocks=list(blocks), limits=limits, predict_ms=predict_ms,
         )
-        status, queued, deadline, now, *why = await self._pump(
+        status, queued, deadline, now, *rest = await self._pump(
             self.scripts.submit, plan, ks, [*head, wire.encode(opts), body])
         return Submitted(SubmitStatus(status.decode()), int(queued), int(deadline) - int(now),
-                         why[0].decode() if why else "")
+                         rest[0].decode() if rest else "", rest[1] if len(rest) > 1 else b"")
 
     async def cancel(self, job: str, queue_key: str, replica: str, reason: CancelReason) -> Cancelled:
         """``queue_key``: the queue of the job's lane."""
@@ -222,7 +237,7 @@ class ScriptCalls:
         # A lane of one provider may be the lane of the jobs pinned to it (the stream entry
         # does not say): its home is the same lane under the new config either way.
         queue = self._queue_now(job.model, job.lane, job.endpoint, base if base and "," not in base else None)
-        plan, ks, head = self._settle_args(job.provider, node, job.replica, queue)
+        plan, ks, head = self._settle_args(job.provider, node, job.replica, queue, keys.LIMITS)
         outcome, _, *woken = await self._pump(
             self.scripts.finish, plan, ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from dispatcher.config import DEFAULT_TENANT, Config
+from dispatcher.config import DEFAULT_TENANT, Config, KeyLimits
 from dispatcher.exceptions import InvalidRequest, Unauthorized
 
 log = logging.getLogger("iop.tenants")
@@ -31,6 +31,7 @@ class Tenant:
     models: tuple[str, ...] | None = None  # globs; None = every model
     max_queued: int | None = None
     max_in_flight: int | None = None
+    limits: KeyLimits | None = None  # rate limits and budget (lua/lib/limits.lua)
 
     def allows(self, model_id: str) -> bool:
         return self.models is None or any(fnmatchcase(model_id, p) for p in self.models)
@@ -73,6 +74,8 @@ class Tenants:
                 tuple(key.models) if key.models is not None else None,
                 key.max_queued,
                 key.max_in_flight,
+                key.limits if key.limits and (key.limits.requests_per_minute or key.limits.tokens_per_minute
+                                              or key.limits.tokens_per_day) else None,
             )
             if key.key_sha256:
                 self._digests[bytes.fromhex(key.key_sha256)] = key.name

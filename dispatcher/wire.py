@@ -11,8 +11,20 @@ from __future__ import annotations
 import msgspec
 
 
-class SubmitOptions(msgspec.Struct, frozen=True):
-    """``lua/submit.lua``'s ARGV[4]."""
+class Limits(msgspec.Struct, frozen=True):
+    """A limited tenant's limits as ``lua/lib/limits.lua`` checks them (0: no such limit)."""
+
+    tenant: str
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    tokens_per_day: int = 0
+    tokens: int = 0  # the estimate reserved (prompt + output)
+    day: int = 0  # UTC days since the epoch, on the API's clock (the budget's day)
+    next_day_ms: int = 0  # ms from now until the next 00:00 UTC (a refusal's retry-after)
+
+
+class SubmitOptions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``lua/submit.lua``'s ARGV[4] (a field at its default is left out: Lua reads nil)."""
 
     job: str
     model: str
@@ -31,6 +43,10 @@ class SubmitOptions(msgspec.Struct, frozen=True):
     # Cache-aware dispatch (a model with affinity): the chained hashes of the prompt's blocks
     # (dispatcher/affinity.py), or the one of its conversation key; none otherwise.
     blocks: list[str] = []
+    # A tenant with rate limits or a budget (lua/lib/limits.lua); absent otherwise.
+    limits: Limits | None = None
+    # Refuse the job at once if its predicted queue wait is over this (0: never).
+    predict_ms: int = 0
 
 
 encode = msgspec.json.Encoder().encode
@@ -62,11 +78,13 @@ class LaneSpec(msgspec.Struct, frozen=True):
     hold_ms: int  # the model's hold_when_unavailable_ms
     candidates: list[Candidate]
     # Cache-aware dispatch (the model's affinity; load_bound 0: off): the bound, the keys of
-    # the model's index (block -> providers that served it) and of its recency (block -> last
-    # use ms), and the index's bounds.
+    # the model's index (block -> providers that served it), of its recency (block -> last
+    # use ms) and of its footprint (provider -> blocks it holds), and the index's bounds.
     load_bound: float = 0.0
+    load_floor: float = 0.0
     index: int = 0
     recency: int = 0
+    footprint: int = 0
     index_max: int = 0
     index_ttl_ms: int = 0
     look_ahead: int = 0
@@ -87,6 +105,10 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     park: str = ""
     # Cache-aware dispatch's counters: '<model>\t<hit|miss|spill>' -> decisions.
     affinity_stats: int = 0
+    # Each lane's drain rate while it has a backlog (queue key -> 'block start ms|dispatches
+    # since|interval ms', lua/lib/pump.lua note_drain): how long a place in its queue takes
+    # (deadlines, lua/submit.lua).
+    rates: int = 0
     # A plan of one lane carries it here, and has no lane fields or set: one read.
     only: LaneSpec | None = None
 

@@ -10,7 +10,17 @@ operator drained the provider (``iop provider drain``): ``available (draining)``
 
 With flow control, a table of the tenants (band, weight, jobs waiting and running, limits)
 follows the providers when there is more than the ``default`` tenant, and each model group
-lists the tenants with jobs waiting or running in it."""
+lists the tenants with jobs waiting or running in it. A tenant with rate limits or a budget
+(``api.keys[].limits``) has a line under its row: what it used of each window, ``used/limit``
+(``-`` for a window it has no limit in), and the requests refused so far, by reason:
+``rate limits: requests/min 12/60, tokens/min -, tokens/day 51200/1000000; refused 3 requests,
+0 tokens, 1 budget``.
+
+The CACHE column is the share of a provider's prompt tokens it served from its prefix cache
+(``-`` while it reported none). A model group with cache-aware dispatch has a line under it:
+its mode, load bound, the prompt blocks its prefix index holds of its maximum, and its
+decisions since Redis started, with the share of hits:
+``affinity prefix: bound 1.25, index 120/10000 blocks, hit 30, miss 8, spill 2 (75% hits)``."""
 
 from __future__ import annotations
 
@@ -100,7 +110,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if "endpoints" in p:  # an older iop's catalog has none
             lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))
     tenants = doc.get("tenants") or []  # an older iop's catalog has none
-    if any(t["name"] != "default" for t in tenants):
+    if any(t["name"] != "default" or t.get("limits") for t in tenants):
         lines.append("")
         lines.extend(tenant_lines(tenants, paint))
     lines.append("")
@@ -109,6 +119,8 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         wait = "-" if m["oldest_wait_ms"] is None else f"{m['oldest_wait_ms'] / 1000:.1f}s"
         lines.append(f"  {m['id']} ({m['display_name']}): queued {m['queued']}, oldest wait {wait}, "
                      f"free slots {m['available_slots']}")
+        if m.get("affinity"):  # None when its affinity is off; absent from an older iop's catalog
+            lines.append("    " + affinity_text(m["affinity"]))
         for c in m["candidates"]:
             lines.append(f"    {c['provider']} -> {c['served_name']}  "
                          f"{paint(c['health'], HEALTH_COLOUR.get(c['health'], ''))}  "
@@ -116,6 +128,16 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         for u in m.get("tenants") or []:
             lines.append(f"    tenant {u['tenant']}: queued {u['queued']}, in flight {u['in_flight']}")
     return "\n".join(lines)
+
+
+def affinity_text(a: dict[str, Any]) -> str:
+    """A model group's cache-aware dispatch on one line, its decisions' hit share at the end."""
+    decisions = {k: int(a.get("decisions", {}).get(k, 0)) for k in ("hit", "miss", "spill")}
+    total = sum(decisions.values())
+    share = f"{decisions['hit'] / total:.0%}" if total else "-"
+    counts = ", ".join(f"{k} {n}" for k, n in decisions.items())
+    return (f"affinity {a['mode']}: bound {a['load_bound']:g}, index {a['index_blocks']}/{a['index_max_blocks']} "
+            f"blocks, {counts} ({share} hits)")
 
 
 def limits_text(t: dict[str, Any]) -> str:
@@ -133,7 +155,34 @@ def tenant_lines(tenants: list[dict[str, Any]], paint: Callable[[str, str], str]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     lines = [paint("tenants", BOLD),
              "  " + "  ".join(paint(h.ljust(w), DIM) for h, w in zip(headers, widths, strict=True))]
-    lines.extend("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    for t, r in zip(tenants, rows, strict=True):
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if t.get("limits"):  # None without rate limits or budget; absent from an older iop's catalog
+            lines.extend(rate_limit_lines(t["limits"]))
+    return lines
+
+
+# A tenant's windows: (label, limit field, used field).
+RATE_WINDOWS = (("requests/min", "requests_per_minute", "requests_used"),
+                ("tokens/min", "tokens_per_minute", "tokens_used"),
+                ("tokens/day", "tokens_per_day", "tokens_used_today"))
+REFUSALS = ("requests", "tokens", "budget")
+
+
+def rate_limit_lines(lim: dict[str, Any]) -> list[str]:
+    """A tenant's rate limits and budget under its row: ``used/limit`` per window (``-``: no
+    limit in it), then its refusals by reason; wrapped between items to fit :data:`WIDTH`."""
+    items = [f"{label} {'-' if lim.get(limit) is None else f'{lim.get(used, 0)}/{lim[limit]}'}"
+             for label, limit, used in RATE_WINDOWS]
+    refused = lim.get("refused") or {}
+    items = [item + "," for item in items[:-1]] + [items[-1] + ";",
+             "refused " + ", ".join(f"{int(refused.get(kind, 0))} {kind}" for kind in REFUSALS)]
+    lines = ["    rate limits:"]
+    for item in items:
+        if len(lines[-1]) + 1 + len(item) > WIDTH:
+            lines.append("      " + item)
+        else:
+            lines[-1] += " " + item
     return lines
 
 

@@ -7,6 +7,7 @@
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
 -- KEYS[9]    provider hash   KEYS[10] the job's lane queue
+-- KEYS[11]   the tenants' rate limits and budgets (lib/limits.lua)
 -- KEYS[..]   plan keys of the provider's lanes
 -- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
@@ -25,14 +26,16 @@
 --            dispatcher/catalog.py turns into tokens per second
 -- ARGV[14]   prompt tokens of the job, ARGV[15] of them, those its provider served from its
 --            prefix cache (0: none reported): added, on a real release, to the provider's
---            totals prompt_tokens and cached_tokens (the catalog's cache hit rate)
+--            totals prompt_tokens and cached_tokens (the catalog's cache hit rate); and
+--            with ARGV[13], a limited tenant's tokens settled (rec.limits) when the job ends
 -- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
 -- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
 --!include lib/parking.lua
 --!include lib/pump.lua
+--!include lib/limits.lua
 
-local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE, LIMITS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local job, entry, event = ARGV[4], ARGV[6], ARGV[8]
 
 -- The delivery is over whatever happened to the job: a pending entry would never leave.
@@ -76,7 +79,9 @@ if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then
   end
   outcome = settle_lost(job, rec, QUEUE, REPLY, REPLICA_JOBS, max_attempts, event, ARGV[12],
                         tonumber(ARGV[9]), now)
+  if outcome ~= 'requeued' and rec.limits then settle_limits(LIMITS, rec.limits, prompt + tokens) end
 else
+  if rec.limits then settle_limits(LIMITS, rec.limits, prompt + tokens) end
   if event ~= '' and rec.state ~= 'c' then
     redis.call('XADD', REPLY, '*', 'job', job, 'event', event)
     redis.call('PEXPIRE', REPLY, tonumber(ARGV[9]))

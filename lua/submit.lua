@@ -6,6 +6,7 @@
 -- KEYS[6]    seq counter: global submit order, so heads of different lanes compare exactly
 -- KEYS[7]    the lane's queue zset (job id -> seq)
 -- KEYS[8]    the replica's job set (so the reaper can cancel a dead replica's jobs)
+-- KEYS[9]    the tenants' rate limits and budgets (lib/limits.lua)
 -- KEYS[..]   plan keys of the lane (from ARGV[2] on)
 -- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
 -- ARGV[4]    options, JSON (dispatcher/wire.py SubmitOptions):
@@ -15,18 +16,28 @@
 --                it is refused at once when that provider cannot take work,
 --              with flow control (a plan with tenants, see lib/pump.lua): tenant, weight,
 --                max_queued (0: none); the job id is '<tenant>~<id>'
+--              limits (a tenant with rate limits or a budget): wire.Limits, lib/limits.lua
+--              predict_ms: refuse a job that would wait, when its place in the queue and
+--                the lane's drain interval (lib/pump.lua drain_interval) say it would
+--                wait longer than this 1 time in 20 (the caller's deadline, or the
+--                model's refuse_predicted_over_ms)
 -- ARGV[5]    request body
--- Returns {status, queue length, deadline ms, now ms[, why]}; status is
+-- Returns {status, queue length, deadline ms, now ms, why, limits}; status is
 --   'dispatched' | 'queued' | 'full' (refused: max_queue jobs already wait) | 'duplicate'
 --   | 'unavailable' (pinned, and the provider is down) | 'tenant_full' (its tenant has
 --   max_queued jobs waiting) | 'no_provider' (none of the lane's providers can take work,
---   and the lane holds nothing: its hold_ms, the model's hold_when_unavailable_ms, is 0); why: each
---   provider's reason, for the two refusals
+--   and the lane holds nothing: its hold_ms, the model's hold_when_unavailable_ms, is 0)
+--   | 'rate_limited' | 'budget_exhausted' (its tenant's limits) | 'deadline_unmeetable' (its
+--   predicted wait is over predict_ms); why: each provider's reason, for unavailable and
+--   no_provider; for deadline_unmeetable, the predicted wait minus predict_ms, ms ('' otherwise);
+--   limits: the tenant's windows after this submit, JSON (lib/limits.lua admit_limits; ''
+--   without limits)
 --!include lib/jobs.lua
 --!include lib/parking.lua
 --!include lib/pump.lua
+--!include lib/limits.lua
 
-local SEQ, QUEUE, REPLICA_JOBS = KEYS[6], KEYS[7], KEYS[8]
+local SEQ, QUEUE, REPLICA_JOBS, LIMITS = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local LANE = PLAN.only
 local opts = cjson.decode(ARGV[4])
 local job, body, model, replica = opts.job, ARGV[5], opts.model, opts.replica
@@ -40,22 +51,22 @@ local now = now_ms()
 if opts.pinned then
   local why = unavailable_lane(LANE, now)
   if why ~= nil then
-    return {'unavailable', 0, 0, now, why}
+    return {'unavailable', 0, 0, now, why, ''}
   end
 end
 local tenant, score, ftag, old_f
 if FAIR ~= nil then
   tenant = opts.tenant
-  local max_queued = opts.max_queued
+  local max_queued = opts.max_queued or 0
   if max_queued > 0 and (tonumber(redis.call('HGET', TENANTS, 'q:' .. tenant) or '0') or 0) >= max_queued then
-    return {'tenant_full', 0, 0, now}
+    return {'tenant_full', 0, 0, now, '', ''}
   end
   -- Start-time fair queuing (lib/pump.lua): the tag, and where the tenant's next one starts,
   -- on its band's clock. A tenant with nothing waiting (anywhere: F is the tenant's across
   -- lanes, and so is this count) starts again from V: requests of its that left unserved
   -- (cancelled, timed out) are not charged to it. (Its last served tag is at most V, so
   -- its order is kept.)
-  local weight = opts.weight
+  local weight = opts.weight or 1
   ftag = tenant
   old_f = redis.call('HGET', FAIR.f, ftag)
   local v = tonumber(redis.call('HGET', FAIR.v, 'band:' .. LANE.band) or '0') or 0
@@ -64,8 +75,14 @@ if FAIR ~= nil then
     f = math.min(f, v + 1 / weight)
   end
   score = math.max(v, f)
-  redis.call('HSET', FAIR.f, ftag, num(score + 1 / weight))
 end
+local limited, undo_limits = '', nil
+if opts.limits then
+  local refused
+  refused, limited, undo_limits = admit_limits(LIMITS, opts.limits, now)
+  if refused then return {refused, 0, 0, now, '', limited} end
+end
+if ftag ~= nil then redis.call('HSET', FAIR.f, ftag, num(score + 1 / (opts.weight or 1))) end
 local seq = redis.call('INCR', SEQ)
 local deadline = now + timeout_ms
 local rec = {
@@ -73,8 +90,14 @@ local rec = {
   submitted_ms = now, attempt = 1, endpoint = opts.endpoint, stream = opts.stream,
   lane = opts.lane ~= '' and opts.lane or nil, tenant = tenant, tag = score,
   pin = opts.pinned and LANE.candidates[1].provider or nil,
-  blocks = #opts.blocks > 0 and opts.blocks or nil,
+  blocks = opts.blocks and #opts.blocks > 0 and opts.blocks or nil,
 }
+local L = opts.limits
+if L and (L.tokens_per_minute > 0 or L.tokens_per_day > 0) then
+  -- What finish settles against the usage reported (lib/limits.lua settle_limits).
+  rec.limits = {tenant = L.tenant, tokens_per_minute = L.tokens_per_minute, tokens_per_day = L.tokens_per_day,
+                tokens = L.tokens, day = L.day}
+end
 put_record(job, rec)
 count(rec, 'q', 1)
 redis.call('HSET', BODIES, job, body)
@@ -89,7 +112,7 @@ local in_queue = redis.call('ZSCORE', QUEUE, job)
 if not in_queue and FAIR ~= nil and PLAN.capped and (get_record(job) or {}).state == 'q' then
   -- Parked by that pump (its tenant at its max_in_flight: lib/pump.lua park_job): it waits
   -- too, with its deadline.
-  return {'queued', waiting, deadline, now}
+  return {'queued', waiting, deadline, now, '', limited}
 end
 if in_queue then
   -- Not taken: it may wait only if it fits, and only for a provider that can take work.
@@ -100,6 +123,18 @@ if in_queue then
     why = unavailable_lane(LANE, now)
     if why ~= nil and LANE.hold_ms == 0 then status = 'no_provider' end
   end
+  if status == nil and why == nil and opts.predict_ms then
+    -- Its wait is the next k = rank + 1 dispatch intervals: about k x interval, spread like
+    -- a sum of k independent intervals as spread as their mean (sd sqrt(k) x interval). It
+    -- is refused when even the 95th percentile of that, k + 1.65 sqrt(k) intervals, is over
+    -- its deadline: what it admits starts in time 19 times out of 20.
+    local interval = drain_interval(QUEUE)
+    local k = interval and redis.call('ZRANK', QUEUE, job) + 1
+    local predicted = interval and (k + 1.65 * math.sqrt(k)) * interval
+    if predicted and predicted > opts.predict_ms then
+      status, why = 'deadline_unmeetable', tostring(math.ceil(predicted - opts.predict_ms))
+    end
+  end
   if status ~= nil then
     redis.call('ZREM', QUEUE, job)
     count(rec, 'q', -1)
@@ -107,8 +142,9 @@ if in_queue then
       -- Refused: its tag is given back.
       if old_f then redis.call('HSET', FAIR.f, ftag, old_f) else redis.call('HDEL', FAIR.f, ftag) end
     end
+    if undo_limits then undo_limits() end
     drop_job(job, REPLICA_JOBS)
-    return {status, waiting - 1, deadline, now, why}
+    return {status, waiting - 1, deadline, now, why or '', limited}
   end
   if why ~= nil then
     -- Held through a restart (the lane's hold_when_unavailable_ms): refused once the hold
@@ -119,6 +155,6 @@ if in_queue then
   -- It waits: its lane goes in the index of lanes that hold jobs (lib/pump.lua enqueue;
   -- one dispatched at once needs no mark).
   redis.call('SADD', WAITING, QUEUE)
-  return {'queued', waiting, deadline, now}
+  return {'queued', waiting, deadline, now, '', limited}
 end
-return {'dispatched', waiting, deadline, now}
+return {'dispatched', waiting, deadline, now, '', limited}

@@ -9,12 +9,12 @@ import msgspec
 from dispatcher.exceptions import ConfigProblem
 
 
-def problem_from_validation(exc: msgspec.ValidationError) -> ConfigProblem:
+def problem_from_validation(exc: msgspec.ValidationError, root: type | None = None) -> ConfigProblem:
     # msgspec ends its message with " - at `$.a.b`"; split it so the path comes first like ours.
     text = str(exc)
     message, sep, where = text.rpartition(" - at `")
-    if not sep:
-        message, where = text, "$"
+    if not sep or not where.startswith(("$", "key` in `$")):  # (a field name may hold " - at `")
+        message, where = text, "$`"
     where = where.rstrip("`")
     if where.startswith("key` in `"):
         where = where[len("key` in `"):]
@@ -23,7 +23,36 @@ def problem_from_validation(exc: msgspec.ValidationError) -> ConfigProblem:
     if unknown:
         # Point at the misspelt field itself, not at the object holding it.
         return ConfigProblem(f"{where}.{unknown.group(1)}", f"unknown field `{unknown.group(1)}`")
+    if root is not None and message.startswith("Invalid enum value"):
+        choices = _choices_at(root, where)
+        if choices:
+            message += " (expected one of: " + ", ".join(choices) + ")"
     return ConfigProblem(where, message)
+
+
+def _choices_at(root: type, where: str) -> list[str]:
+    """The values a Literal field at `where` ($.a[0].b) takes, following the Struct types."""
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(root)
+    for part in re.findall(r"\.([^.\[]+)|\[\d+\]", where):
+        while isinstance(info, msgspec.inspect.UnionType):
+            info = next((t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)), info.types[0])
+        if part == "":  # an index: the list's item
+            sequences = msgspec.inspect.ListType | msgspec.inspect.TupleType | msgspec.inspect.VarTupleType
+            if not isinstance(info, sequences):
+                return []
+            info = info.item_type if not isinstance(info, msgspec.inspect.TupleType) else info.item_types[0]
+        elif isinstance(info, msgspec.inspect.StructType):
+            field = next((f for f in info.fields if f.encode_name == part), None)
+            if field is None:
+                return []
+            info = field.type
+        elif isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        else:
+            return []
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return [str(v) for v in info.values]
+    return []
 
 
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.+)`")

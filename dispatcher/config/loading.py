@@ -55,7 +55,7 @@ def parse(data: Any) -> Loaded:
     try:
         config = msgspec.convert(core, type=Config)
     except msgspec.ValidationError as exc:
-        problems.insert(0, problem_from_validation(exc))
+        problems.insert(0, problem_from_validation(exc, Config))
     if problems:
         raise ConfigError(problems)
     conversion = legacy.convert(config, parts)

@@ -63,6 +63,21 @@ class RedisConfig(_Base, frozen=True):
 DEFAULT_TENANT = "default"
 
 
+class KeyLimits(_Base, frozen=True):
+    """A tenant's rate limits and budget, across the fleet (``lua/lib/limits.lua``). Unset:
+    no limit of that kind."""
+
+    # Sliding one-minute windows (GCRA): a steady rate, and at most a minute's worth at once.
+    requests_per_minute: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Prompt + completion tokens: an estimate reserved at submit (the body's bytes / 4, plus
+    # the request's max_tokens / max_output_tokens or output_tokens_if_unset), settled to the
+    # usage its provider reports when the job ends.
+    tokens_per_minute: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # A budget: tokens per UTC day, reset at 00:00 UTC.
+    tokens_per_day: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    output_tokens_if_unset: Annotated[int, msgspec.Meta(ge=0)] = 1024
+
+
 class KeyConfig(_Base, frozen=True):
     """A named caller key: its name is the request's tenant (flow control, limits, metrics)."""
 
@@ -80,6 +95,7 @@ class KeyConfig(_Base, frozen=True):
     # (beyond, its requests wait without holding anyone else up).
     max_queued: int | None = None
     max_in_flight: int | None = None
+    limits: KeyLimits | None = None
 
 
 class ApiConfig(_Base, frozen=True):
@@ -111,6 +127,10 @@ class QueueConfig(_Base, frozen=True):
     # no_provider_available at once (and so are waiting ones when the last goes down); N:
     # it waits up to N ms for one to come back (a provider restarting) before that answer.
     hold_when_unavailable_ms: int = 0
+    # Load shedding: a request that would wait is refused at once (503 deadline_unmeetable)
+    # when its place in the queue and the queue's recent drain rate predict a longer wait
+    # than this one time in twenty. Unset: only a caller's x-iop-deadline-ms asks for that.
+    refuse_predicted_over_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 # busy_probe_interval_ms unset: this many probe intervals.
@@ -168,13 +188,19 @@ class AffinityConfig(_Base, frozen=True):
     # Affinity may choose a provider only while its load ratio, with this request, stays at
     # most load_bound x the mean of the lane's (consistent hashing with bounded loads).
     load_bound: Annotated[float, msgspec.Meta(ge=1.0, le=100.0)] = 1.25
+    # ... except that a provider at most this loaded (in_flight / capacity with the request)
+    # is never over the bound: at low load the mean is a request or two, and a home that
+    # is half idle has room for its own prompts (a miss costs the whole prefill elsewhere).
+    load_floor: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
     # The index of which provider served which prompt blocks (per model group): at most this
     # many blocks, and none unused for longer than index_ttl_s (oldest forgotten first).
     index_max_blocks: Annotated[int, msgspec.Meta(ge=16, le=10_000_000)] = 200_000
     index_ttl_s: Annotated[int, msgspec.Meta(ge=1)] = 3600
-    # Under saturation: a slot that frees on a provider the first waiting job's head is not
-    # held by may go to one of the next look_ahead jobs whose head it holds; the first job
-    # is passed over so for at most max_wait_ms (then it takes the next slot, wherever).
+    # Under saturation: a job whose home is busy (within the bound, no free slot) waits for
+    # it rather than run uncached elsewhere, and a slot that frees on a provider that is
+    # not the first waiting job's home may go to one of the next look_ahead jobs whose home
+    # it is; either way a job waits so for at most max_wait_ms (then it takes the next free
+    # slot: a second home if one is free, else wherever).
     look_ahead: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
     max_wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 500
 
@@ -186,6 +212,11 @@ class ModelConfig(_Base, frozen=True):
     max_queue: int | None = None
     queue_timeout_ms: int | None = None
     hold_when_unavailable_ms: int | None = None
+    refuse_predicted_over_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Other model ids tried in order when this one cannot take a request at once (no
+    # provider of its endpoint available, its queue or its tenant's share full, its
+    # deadline unmeetable); the first that can takes it.
+    fallbacks: list[str] = []
     affinity: AffinityConfig = AffinityConfig()
 
 
@@ -289,6 +320,11 @@ class Config(_Base, frozen=True):
 
     def queue_timeout_ms(self, model: ModelConfig) -> int:
         return self.queue.queue_timeout_ms if model.queue_timeout_ms is None else model.queue_timeout_ms
+
+    def refuse_predicted_over_ms(self, model: ModelConfig) -> int | None:
+        if model.refuse_predicted_over_ms is None:
+            return self.queue.refuse_predicted_over_ms
+        return model.refuse_predicted_over_ms
 
     def hold_when_unavailable_ms(self, model: ModelConfig) -> int:
         if model.hold_when_unavailable_ms is None:

@@ -72,6 +72,8 @@ def validate(config: Config) -> list[ConfigProblem]:
         if model.hold_when_unavailable_ms is not None and model.hold_when_unavailable_ms < 0:
             bad(f"{path}.hold_when_unavailable_ms", f"must be >= 0, got {model.hold_when_unavailable_ms}")
 
+    problems.extend(_fallback_problems(config))
+
     if config.queue.max_queue < 0:
         bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
     if config.queue.queue_timeout_ms <= 0:
@@ -305,3 +307,43 @@ def _duplicates(items: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
         if value in seen:
             yield path, value
         seen.add(value)
+
+
+def _fallback_problems(config: Config) -> list[ConfigProblem]:
+    """``models[].fallbacks``: known ids, not the model itself, none twice, and no chain that
+    comes back to where it started (a -> b -> a)."""
+    problems: list[ConfigProblem] = []
+    ids = {m.id for m in config.models}
+    edges = {m.id: [f for f in m.fallbacks if f in ids] for m in config.models}
+    for mi, model in enumerate(config.models):
+        seen: set[str] = set()
+        for fi, fb in enumerate(model.fallbacks):
+            path = f"$.models[{mi}].fallbacks[{fi}]"
+            if fb not in ids:
+                problems.append(ConfigProblem(path, f"unknown model {fb!r}"))
+            elif fb == model.id:
+                problems.append(ConfigProblem(path, "a model cannot be its own fallback"))
+            elif fb in seen:
+                problems.append(ConfigProblem(path, f"{fb!r} is listed twice"))
+            elif (loop := _path_back(edges, fb, model.id)) is not None:
+                chain = " -> ".join([model.id, *loop])
+                problems.append(ConfigProblem(path, f"fallbacks loop: {chain}"))
+            seen.add(fb)
+    return problems
+
+
+def _path_back(edges: dict[str, list[str]], start: str, target: str) -> list[str] | None:
+    """A chain of fallbacks from ``start`` to ``target`` (both included), or None."""
+    stack, came_from = [start], {start: ""}
+    while stack:
+        node = stack.pop()
+        if node == target:
+            chain = [node]
+            while came_from[chain[-1]]:
+                chain.append(came_from[chain[-1]])
+            return chain[::-1]
+        for nxt in edges.get(node, []):
+            if nxt not in came_from:
+                came_from[nxt] = node
+                stack.append(nxt)
+    return None

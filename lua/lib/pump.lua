@@ -108,6 +108,42 @@ local function enqueue(qkey, score, job)
 end
 
 -- A lane found empty leaves the index (it comes back with its next job: enqueue).
+-- How long a place in queue `qkey` takes: the mean interval between dispatches from it
+-- while it had a backlog (nil: not measured yet). Kept by note_drain, read by submit's
+-- deadline check. The field is '<block start ms>|<dispatches since>|<interval ms>'.
+local DRAIN_BLOCK = 8
+local function drain_state(qkey)
+  local raw = redis.call('HGET', KEYS[BASE + PLAN.rates], qkey) or ''
+  local t0, n, interval = string.match(raw, '^(%d*)|(%d*)|([%d%.]*)$')
+  return tonumber(t0), tonumber(n) or 0, tonumber(interval)
+end
+
+local function drain_interval(qkey)
+  local _, _, interval = drain_state(qkey)
+  return interval
+end
+
+-- A job that waited left `qkey` at `now`. Dispatches come in bursts (a server's step ends
+-- several requests at once), so the interval is measured over blocks of DRAIN_BLOCK
+-- dispatches made while the queue had a backlog all along: each block's mean interval
+-- moves the estimate halfway. A queue that empties ends the block unmeasured.
+local function note_drain(qkey, now)
+  local t0, n, interval = drain_state(qkey)
+  if t0 == nil then
+    t0, n = now, 0
+  else
+    n = n + 1
+    if n >= DRAIN_BLOCK then
+      local sample = (now - t0) / n
+      interval = interval and (interval + sample) / 2 or sample
+      t0, n = now, 0
+    end
+  end
+  if redis.call('ZCARD', qkey) == 0 then t0, n = nil, 0 end
+  redis.call('HSET', KEYS[BASE + PLAN.rates], qkey,
+             (t0 or '') .. '|' .. n .. '|' .. (interval and string.format('%.1f', interval) or ''))
+end
+
 local function emptied(qkey)
   if not PLAN.only then redis.call('SREM', WAITING, qkey) end
 end
@@ -449,15 +485,18 @@ local function pump(now)
 
   -- Cache-aware dispatch (a lane whose model has affinity, a job with blocks: the chained
   -- hashes of its prompt's blocks, or the one of its conversation). The lane's index
-  -- (lane.index) maps a block to the providers that served a prompt with that head, latest
-  -- first. The job goes to the one holding the longest head, among those that may run it
-  -- and are within the load bound -- its load ratio with this job at most lane.load_bound x
-  -- the lane's mean, (inf + 1) / cap <= bound x (sum inf + 1) / (sum cap) -- the least
-  -- loaded if several; a head whose holders are all over the bound spills to a shorter
-  -- head's, then to `default` (the S04 choice). A provider that cannot take work (down,
-  -- drained, removed: state) holds nothing. Returns the candidate, 'hit' | 'miss' | 'spill',
-  -- and the index's entries of the job's blocks (remember writes them back).
-  local function affine(lane, rec, default)
+  -- (lane.index) maps a block to the providers that served a prompt with that head, its
+  -- home first, then second homes in the order they were made. The job goes to the first
+  -- holder of the longest head that may run it, has a free slot and is within the load
+  -- bound: its load ratio with this job at most lane.load_bound x the lane's mean, (inf + 1)
+  -- / cap <= bound x (sum inf + 1) / (sum cap), or at most lane.load_floor. A holder within
+  -- the bound but busy is waited for while `patient` (the job has not waited
+  -- lane.max_wait_ms for it): 'spill' with busy = true, and the caller holds the job. A head
+  -- whose holders are all over the bound spills to a shorter head's, then to `default` (the
+  -- S04 choice). A provider that cannot take work (down, drained, removed: state) holds
+  -- nothing. Returns the candidate, 'hit' | 'miss' | 'spill', the index's entries of the
+  -- job's blocks (remember writes them back) and busy.
+  local function affine(lane, rec, default, patient)
     local held = redis.call('HMGET', KEYS[BASE + lane.index], unpack(rec.blocks))
     local eligible, total_inf, total_cap = {}, 0, 0
     for _, cand in ipairs(lane.candidates) do
@@ -470,56 +509,77 @@ local function pump(now)
     -- Within the bound: at most ceil(bound x (sum inf + 1) x cap / sum cap) jobs with this
     -- one (the ceiling lets a lightly loaded lane place at all: consistent hashing with
     -- bounded loads, capacity-weighted).
-    local function within(s)
-      return s.inf < s.cap and s.inf + 1 <= math.ceil(lane.load_bound * (total_inf + 1) * s.cap / total_cap - 1e-9)
+    local function bounded(s)
+      return s.inf + 1 <= math.max(math.ceil(lane.load_bound * (total_inf + 1) * s.cap / total_cap - 1e-9),
+                                   math.floor(lane.load_floor * s.cap + 1e-9))
     end
-    local spilled = false
+    local spilled, busy = false, false
     for i = #rec.blocks, 1, -1 do
       if held[i] then
-        local best, bs
         for pid in string.gmatch(held[i], '[^,]+') do
           local cand = eligible[pid]
           if cand then
             local s = state(KEYS[BASE + cand.provider_key])
-            if within(s) then
-              if best == nil or s.inf * bs.cap < bs.inf * s.cap then best, bs = cand, s end
-            else
-              spilled = true
+            if bounded(s) then
+              if s.inf < s.cap then return cand, 'hit', held end
+              -- Busy but within the bound: worth waiting for, rather than a second home.
+              if patient then return default, 'spill', held, true end
+              busy = true
             end
+            spilled = true
           end
         end
-        if best then return best, 'hit', held end
       end
     end
-    if spilled then return default, 'spill', held end
-    -- A head no provider holds goes where S04 sends any job, the lowest in_flight/capacity;
-    -- among providers tied there (an idle lane: all of them), to the one its first block
-    -- hashes highest with (rendezvous hashing), not the lowest id, so that new heads spread
-    -- over the lane and every replica picks the same home.
-    local home, hs, top
+    if spilled then return default, 'spill', held, busy end
+    -- A head no provider holds goes to the provider holding the fewest of the index's
+    -- blocks per unit of capacity (lane.footprint), among those with a free slot within the
+    -- bound: the servers' caches fill evenly, as sglang-router's smallest tree does; ties
+    -- go to the lowest in_flight/capacity, then to the one its first block hashes highest
+    -- with (rendezvous hashing), so that every replica picks the same home.
+    local pids, cands = {}, {}
     for pid, cand in pairs(eligible) do
+      pids[#pids + 1], cands[#cands + 1] = pid, cand
+    end
+    local held_by = #pids > 0 and redis.call('HMGET', KEYS[BASE + lane.footprint], unpack(pids)) or {}
+    local home, hs, hf, top
+    for i, cand in ipairs(cands) do
       local s = state(KEYS[BASE + cand.provider_key])
-      if s.inf < s.cap then
-        local score = redis.sha1hex(rec.blocks[1] .. '|' .. pid)
-        local l, r = home and s.inf * hs.cap, home and hs.inf * s.cap
-        if home == nil or l < r or (l == r and score > top) then home, hs, top = cand, s, score end
+      if s.inf < s.cap and bounded(s) then
+        local f = math.max(tonumber(held_by[i]) or 0, 0)
+        local score = redis.sha1hex(rec.blocks[1] .. '|' .. cand.provider)
+        local better = home == nil
+        if not better then
+          local fl, fr = f * hs.cap, hf * s.cap
+          local l, r = s.inf * hs.cap, hs.inf * s.cap
+          better = fl < fr or (fl == fr and (l < r or (l == r and score > top)))
+        end
+        if better then home, hs, hf, top = cand, s, f, score end
       end
     end
     return home or default, 'miss', held
   end
 
-  -- Provider `pid` now holds the job's blocks: first among each block's holders (at most
-  -- HOLDERS kept), each block's last use now; then the index kept within its bounds (at
-  -- most lane.index_max blocks, none unused for lane.index_ttl_ms), oldest first.
+  -- Provider `pid` now holds the job's blocks: added last to each block's holders if it was
+  -- not one (at most HOLDERS kept: a new one takes the last place), each block's last use
+  -- now, the providers' footprints moved by as much; then the index kept within its bounds
+  -- (at most lane.index_max blocks, none unused for lane.index_ttl_ms), oldest first.
   local function remember(lane, rec, pid, held)
-    local index, recency = KEYS[BASE + lane.index], KEYS[BASE + lane.recency]
-    local entries, uses = {}, {}
+    local index, recency, footprint = KEYS[BASE + lane.index], KEYS[BASE + lane.recency], KEYS[BASE + lane.footprint]
+    local entries, uses, delta = {}, {}, {}
     for i, block in ipairs(rec.blocks) do
-      local list, n = pid, 1
+      local list, n, found = nil, 0, false
       for other in string.gmatch(held[i] or '', '[^,]+') do
-        if other ~= pid and n < HOLDERS then
-          list, n = list .. ',' .. other, n + 1
+        if other == pid then found = true end
+        if n < HOLDERS - 1 or (n < HOLDERS and found) then
+          list, n = list and (list .. ',' .. other) or other, n + 1
+        else
+          delta[other] = (delta[other] or 0) - 1
         end
+      end
+      if not found then
+        list = list and (list .. ',' .. pid) or pid
+        delta[pid] = (delta[pid] or 0) + 1
       end
       entries[#entries + 1], entries[#entries + 2] = block, list
       uses[#uses + 1], uses[#uses + 2] = now, block
@@ -534,33 +594,46 @@ local function pump(now)
       end
     end
     if #gone > 0 then
+      for _, list in ipairs(redis.call('HMGET', index, unpack(gone))) do
+        for other in string.gmatch(list or '', '[^,]+') do delta[other] = (delta[other] or 0) - 1 end
+      end
       redis.call('HDEL', index, unpack(gone))
       redis.call('ZREM', recency, unpack(gone))
     end
+    for other, d in pairs(delta) do
+      if d ~= 0 then redis.call('HINCRBY', footprint, other, d) end
+    end
   end
 
-  -- Under saturation (affinity): the head job `rec` spilled -- the providers holding its
-  -- prompt's head are over the bound -- and `cand` is the one free. Rather than run it
-  -- there uncached, `cand` goes to the first of the next lane.look_ahead jobs whose head
-  -- `cand` holds (the deepest block of theirs anyone holds), if one may run now; the head
-  -- keeps its place for a slot of its own. A head is passed over so for at most
-  -- lane.max_wait_ms from the first time (rec.passed_ms), then it runs where a slot frees.
-  local function look_ahead(lane, rec, cand)
-    if lane.look_ahead == 0 or (rec.passed_ms ~= nil and now - rec.passed_ms >= lane.max_wait_ms) then
-      return nil
-    end
+  -- Under saturation (affinity): the head job `head_job` may not run on its home (busy, or
+  -- over the bound) and `cand` is free. Rather than run it there uncached, `cand` goes to
+  -- the first of the next lane.look_ahead jobs whose home `cand` is (the first holder of
+  -- the deepest of its blocks the index holds) or that has none, if one may run now; the
+  -- head keeps its place. The caller passes a head over so for at most lane.max_wait_ms (rec.passed_ms).
+  local function look_ahead(lane, head_job, cand)
+    if lane.look_ahead == 0 then return nil end
     local index = KEYS[BASE + lane.index]
-    for _, job in ipairs(redis.call('ZRANGE', queue_of(lane), 1, lane.look_ahead)) do
-      local r = may_run(job) and get_record(job)
+    local rank = redis.call('ZRANK', queue_of(lane), head_job)
+    if rank == false then return nil end
+    -- FIFO within a tenant (flow control) holds: a job never runs before an earlier one of
+    -- its tenant (the head, or one this call found blocked ahead of it).
+    local passed = {}
+    for i, job in ipairs(redis.call('ZRANGE', queue_of(lane), 0, rank + lane.look_ahead)) do
+      local t = FAIR ~= nil and tenant_of(job)
+      local r = i > rank + 1 and not (t and passed[t]) and may_run(job) and get_record(job)
+      if t then passed[t] = true end
       local dl = r and tonumber(redis.call('ZSCORE', DEADLINES, job))
-      if r and r.blocks and serves(cand, r) and not excluded(r, cand.provider) and (dl == nil or dl > now) then
+      if r and serves(cand, r) and not excluded(r, cand.provider) and (dl == nil or dl > now) then
+        if not r.blocks then return job end  -- it has no home: it loses nothing there
         local held = redis.call('HMGET', index, unpack(r.blocks))
-        for i = #r.blocks, 1, -1 do
-          if held[i] then
-            if string.find(',' .. held[i] .. ',', ',' .. cand.provider .. ',', 1, true) then return job end
+        local home
+        for b = #r.blocks, 1, -1 do
+          if held[b] then
+            home = string.match(held[b], '^[^,]+')
             break
           end
         end
+        if home == nil or home == cand.provider then return job end
       end
     end
     return nil
@@ -590,16 +663,18 @@ local function pump(now)
     end
     local decision, held
     if lane.load_bound > 0 and rec.blocks then
-      local chosen
-      chosen, decision, held = affine(lane, rec, cand)
-      if decision == 'spill' and not looked then
-        local other = look_ahead(lane, rec, cand)
-        if other ~= nil then
+      local chosen, busy
+      local patient = not looked and lane.max_wait_ms > 0 and (rec.passed_ms == nil or now - rec.passed_ms < lane.max_wait_ms)
+      chosen, decision, held, busy = affine(lane, rec, cand, patient)
+      if decision == 'spill' and patient then
+        local other = look_ahead(lane, job, cand)
+        if other ~= nil or busy then
           if rec.passed_ms == nil then
             rec.passed_ms = now
             put_record(job, rec)
           end
-          return dispatch(other, lane, cand, true)
+          if other ~= nil then return dispatch(other, lane, cand, true) end
+          return 'held'
         end
       end
       cand = chosen
@@ -617,6 +692,7 @@ local function pump(now)
       redis.call('SET', FENCE, fence)
     end
     redis.call('ZREM', DEADLINES, job)
+    if rec.submitted_ms < now then note_drain(qkey, now) end
     dispatched(rec, lane)
     redis.call('HINCRBY', pkey, 'in_flight', 1)
     state(pkey).inf = state(pkey).inf + 1
@@ -637,10 +713,13 @@ local function pump(now)
   -- this call (empty, or no free provider may take its jobs).
   local heads, skips = {}, {}
   local count_dispatched = 0
+  -- A head held for its busy home (affinity) keeps the slot from lanes of later bands.
+  local held_band
   while true do
     local best, best_cand
     for i, lane in ipairs(lanes) do
       local h = heads[i]
+      if held_band ~= nil and lane.band > held_band then h = false end
       if h and not may_run(h.job) then h = nil end  -- its tenant reached its cap meanwhile
       if h == nil then
         local job, score = head(lane, skips[i] or 0)
@@ -666,6 +745,9 @@ local function pump(now)
     heads[best.i] = nil
     if outcome == 'ok' then
       count_dispatched = count_dispatched + 1
+    elseif outcome == 'held' then
+      heads[best.i] = false
+      held_band = math.min(held_band or best.lane.band, best.lane.band)
     elseif outcome == 'blocked' then
       -- Only busy or failed providers may run it: it keeps its place, and the jobs behind
       -- it go on (a few per lane and call, which bounds the call's cost).

@@ -92,9 +92,9 @@ async def test_tenants_in_the_catalog_and_metrics(
         doc = (await c.get("/catalog", headers=auth)).json()
         assert doc["tenants"] == [
             {"name": "web", "band": "interactive", "weight": 4.0, "models": ["m"], "max_queued": None,
-             "max_in_flight": 2, "queued": 3, "in_flight": 1},
+             "max_in_flight": 2, "queued": 3, "in_flight": 1, "limits": None},
             {"name": "eval", "band": "batch", "weight": 1.0, "models": None, "max_queued": 10,
-             "max_in_flight": None, "queued": 2, "in_flight": 0}]
+             "max_in_flight": None, "queued": 2, "in_flight": 0, "limits": None}]
         assert {m["id"]: m["tenants"] for m in doc["models"]} == {
             "m": [{"tenant": "web", "queued": 3, "in_flight": 1}],
             "org/model:tag": [{"tenant": "eval", "queued": 2, "in_flight": 0}]}

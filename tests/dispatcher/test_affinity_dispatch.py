@@ -10,6 +10,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+import anyio
 import pytest
 from redis.asyncio import Redis
 
@@ -23,6 +24,7 @@ from dispatcher.catalog import read_catalog
 from dispatcher.plans import Plans
 from dispatcher.protocol import ScriptCalls
 from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenants
 from tests.dispatcher.test_scripts import Harness
 
 pytestmark = pytest.mark.anyio
@@ -59,6 +61,10 @@ class AffineHarness(Harness):
 
     async def done(self, job: str) -> None:
         await self.node.finish(await self.assignment(job), b"", mode="done")
+
+    async def footprints(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(keys.affinity_footprint("m"))
+        return {k.decode(): int(v) for k, v in raw.items() if int(v)}
 
     async def stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(keys.AFFINITY_STATS)
@@ -106,26 +112,76 @@ async def test_without_affinity_dispatch_is_the_s04_rule(any_redis: Redis) -> No
 
 
 async def test_a_head_spills_at_the_load_bound_and_gains_a_second_home(any_redis: Redis) -> None:
-    h = await started(any_redis, affine_config({"a": 4, "b": 4}, load_bound=1.5))
+    h = await started(any_redis, affine_config({"a": 4, "b": 4}, load_bound=1.5, load_floor=0))
     doc = TENANT_DOCS["a"]
-    first, home = await h.send(chat(doc, "q0"))
+    _, home = await h.send(chat(doc, "q0"))
     other = "b" if home == "a" else "a"
-    running = [first]
     # Its home takes it while (inf + 1) / 4 <= 1.5 x (total + 1) / 8: at 1, 2 and 3 running
     # there ((1+1)/4 <= 1.5*2/8 ... (3+1)/4 > 1.5*4/8 is where it stops).
-    placed = []
-    for i in range(1, 4):
-        job, where = await h.send(chat(doc, f"q{i}"))
-        running.append(job)
-        placed.append(where)
+    placed = [(await h.send(chat(doc, f"q{i}")))[1] for i in range(1, 4)]
     assert placed == [home, home, other], placed
-    # The spill made the other provider a second home: with the first home full up to the
-    # bound, the head's next request goes to the second, whose cache now holds it too.
-    job, where = await h.send(chat(doc, "q4"))
-    assert where == other
-    assert (await h.stats())["spill"] >= 1
+    assert (await h.stats())["spill"] == 1
     held = (await any_redis.hget(keys.affinity("m"), blocks_of("chat/completions", chat(doc, "q4"))[0])).decode()
-    assert set(held.split(",")) == {"a", "b"}
+    assert held.split(",") == [home, other]  # the home first, the second home after it
+    # With the total grown, the home is within the bound again (4/4 <= 1.5 x 5/8) and
+    # comes first; full, it is waited for (see below) unless it is over the bound, and
+    # then the second home takes the head.
+    assert (await h.send(chat(doc, "q4")))[1] == home
+    assert (await h.send(chat(doc, "q5")))[1] is None  # home full: waits for it
+    # Footprints: the shared blocks and the four tails it ran, the shared ones and one tail.
+    n = len(blocks_of("chat/completions", chat(doc, "q0")))
+    assert await h.footprints() == {home: n - 1 + 4, other: n}
+
+
+@pytest.mark.parametrize(("load_floor", "at_home"), [(0.5, 4), (0.25, 2), (0.0, 1)])
+async def test_a_half_idle_home_is_never_over_the_bound(any_redis: Redis, load_floor: float, at_home: int) -> None:
+    # Four idle providers: the mean is a request or two, and bound 1.25 alone spills a
+    # head's second request ((1+1)/8 > 1.25 x (1+1)/32). Up to load_floor x capacity (0.5
+    # x 8 = 4 by default) the home takes it.
+    h = await started(any_redis, affine_config({"a": 8, "b": 8, "c": 8, "d": 8}, load_floor=load_floor))
+    doc = TENANT_DOCS["d"]
+    placed = [(await h.send(chat(doc, f"q{i}")))[1] for i in range(at_home + 1)]
+    assert placed[:at_home] == [placed[0]] * at_home, placed
+    assert placed[at_home] != placed[0], placed
+
+
+async def test_new_heads_fill_the_providers_evenly(any_redis: Redis) -> None:
+    # A head nobody holds goes where the index holds the fewest blocks per unit of capacity:
+    # the servers' caches fill evenly (rendezvous hashing alone left one with three of
+    # eight documents and another with one, and its cache too small for them).
+    h = await started(any_redis, affine_config({"a": 8, "b": 8, "c": 16}))
+    homes: dict[str, str | None] = {}
+    for t, doc in TENANT_DOCS.items():
+        job, homes[t] = await h.send(chat(doc, "first"))
+        await h.done(job)
+    assert Counter(homes.values()) == {"a": 2, "b": 2, "c": 4}, homes
+    # The footprints are the index's own count of what each provider holds.
+    index = {k.decode(): v.decode().split(",") for k, v in (await any_redis.hgetall(keys.affinity("m"))).items()}
+    assert await h.footprints() == dict(Counter(pid for holders in index.values() for pid in holders))
+
+
+async def test_a_busy_home_is_waited_for_within_max_wait(any_redis: Redis) -> None:
+    h = await started(any_redis, affine_config({"a": 1, "b": 1}, max_wait_ms=300))
+    x, y = TENANT_DOCS["a"], TENANT_DOCS["b"]
+    x1, home = await h.send(chat(x, "x1"))
+    other = "b" if home == "a" else "a"
+    # The other provider is free, but the head's home only is busy: the job waits for it.
+    x2, where = await h.send(chat(x, "x2"))
+    assert where is None
+    # A request behind it whose head nobody holds may take the free slot meanwhile.
+    y1, where = await h.send(chat(y, "y1"))
+    assert where == other
+    await h.done(y1)
+    assert (await h.record(x2)).provider is None  # still waiting for its home
+    await h.done(x1)
+    assert (await h.record(x2)).provider == home
+    # Waited for max_wait_ms, a job takes the next free slot, wherever.
+    x3, where = await h.send(chat(x, "x3"))
+    assert where is None
+    await anyio.sleep(0.35)
+    _, where = await h.send(chat(y, "y2"))  # any call pumps; the head goes first
+    assert (await h.record(x3)).provider == other
+    assert where is None
 
 
 async def test_a_provider_that_cannot_take_work_holds_nothing(any_redis: Redis) -> None:
@@ -216,3 +272,56 @@ async def test_the_catalog_shows_the_index_and_the_decisions(any_redis: Redis) -
     assert view.affinity.index_blocks == await any_redis.zcard(keys.affinity_recency("m")) > 0
     text = RequestMetrics().render(await read_catalog(any_redis, config)).decode()
     assert 'iop_affinity_decisions_total{model="m",result="hit"} 2.0' in text
+
+
+async def test_the_look_ahead_keeps_fifo_within_a_tenant_and_the_bands(any_redis: Redis) -> None:
+    config = cfg.parse({
+        "api": {"keys": [{"name": "t1", "key_sha256": "1" * 64, "weight": 4},
+                         {"name": "t2", "key_sha256": "2" * 64, "weight": 1},
+                         {"name": "low", "key_sha256": "3" * 64, "priority": "batch"}],
+                "priorities": ["standard", "batch"]},
+        "nodes": [{"id": "n1", "providers": [
+            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"m@{p}"]}
+            for p in "ab"]}],
+        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}, "affinity": {"mode": "prefix"}}],
+    }).config
+    h = await started(any_redis, config)
+    tenants = Tenants(config)
+
+    async def send(tenant: str, doc: str, question: str) -> tuple[str, str | None]:
+        t = tenants.by_name[tenant]
+        plans = h.calls.plans
+        job = t.job_id(uuid.uuid4().hex[:12])
+        body = chat(doc, question)
+        result = await h.api.submit(job, plans.banded(plans.main_lane("m"), t.band), body, "chat/completions",
+                                    False, tenant=t, blocks=blocks_of("chat/completions", body))
+        assert result.status in ("dispatched", "queued"), result
+        rec = await h.record(job)
+        return job, rec.provider
+
+    x, y = TENANT_DOCS["a"], TENANT_DOCS["b"]
+    # Homes: x on one provider, y on the other (the emptier one takes a new head).
+    job, home_x = await send("t1", x, "warm x")
+    job_y, home_y = await send("t2", y, "warm y")
+    assert {home_x, home_y} == {"a", "b"}
+    await h.done(job)
+    await h.done(job_y)
+    x1, _ = await send("t1", x, "x1")
+    y1, _ = await send("t2", y, "y1")
+    # Queued, in fair order (t1 weighs 4: its tags come first): x2, y2 (t1), then y3 (t2),
+    # and a batch-band job whose head nobody holds.
+    x2, _ = await send("t1", x, "x2")
+    y2, _ = await send("t1", y, "y2")
+    y3, _ = await send("t2", y, "y3")
+    low, _ = await send("low", TENANT_DOCS["c"], "low")
+    # y's home frees: x2 waits for its own (busy); y2 is y's, but would pass t1's x2:
+    # t2's y3 goes instead.
+    await h.done(y1)
+    assert [(await h.record(j)).provider for j in (x2, y2, y3)] == [None, None, home_y]
+    # Again: nothing behind x2 may go there but the batch band's job, and a held head
+    # keeps its slot from a later band.
+    await h.done(y3)
+    assert [(await h.record(j)).provider for j in (x2, y2, low)] == [None, None, None]
+    # x's home frees: x2 runs there, then y2 at its home.
+    await h.done(x1)
+    assert [(await h.record(j)).provider for j in (x2, y2, low)] == [home_x, home_y, None]

@@ -353,7 +353,8 @@ async def test_tenants_queued_and_in_flight_per_model_group(redis: Redis) -> Non
     # The JSON /catalog serves.
     wire = json.loads(msgspec.json.encode(doc))
     assert wire["tenants"][1] == {"name": "eval", "band": "batch", "weight": 1.0, "models": ["big"],
-                                  "max_queued": 50, "max_in_flight": None, "queued": 3, "in_flight": 0}
+                                  "max_queued": 50, "max_in_flight": None, "queued": 3, "in_flight": 0,
+                                  "limits": None}
     assert next(m for m in wire["models"] if m["id"] == "small")["tenants"] == [
         {"tenant": "web", "queued": 1, "in_flight": 0}, {"tenant": "ops", "queued": 0, "in_flight": 1}]
 

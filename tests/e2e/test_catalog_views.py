@@ -39,6 +39,8 @@ EXPECTED_ENDPOINTS = {"up": list(DEFAULT_ENDPOINTS["vllm"]), "sick": list(DEFAUL
                       "ghost": list(DEFAULT_ENDPOINTS["lemonade"]), "llama": list(DEFAULT_ENDPOINTS["llamacpp"])}
 # The stand-in llama-server runs 8 parallel slots; its provider is configured with capacity 2.
 LLAMA_SLOTS = 8
+# What the page shows for a value it does not have (an en dash, U+2013).
+NONE = "\u2013"
 
 
 class LlamaServer(BaseHTTPRequestHandler):
@@ -217,6 +219,11 @@ def test_ui_page_shows_the_catalog(system: System, tmp_path: Path) -> None:
             assert {pid: v[0] for pid, v in seen.items()} == {"up": "n1", "sick": "n1", "tool": "n1",
                                                               "hosted": "n2", "llama": "n2", "ghost": "n3"}
             assert seen["hosted"][3] == "1/1"
+            # No provider here reports cached prompt tokens, and no group has affinity on.
+            headers = [h.lower() for h in page.locator("[data-node=n1] thead th").all_inner_texts()]
+            assert headers[headers.index("queued") + 1] == "cache"
+            assert set(page.locator("[data-testid=provider] [data-testid=cache]").all_inner_texts()) == {NONE}
+            assert set(page.locator("[data-testid=model] [data-testid=affinity]").all_inner_texts()) == {"off"}
             # The slots hint beside llama's capacity, and nowhere else.
             assert seen["llama"][3] == f"0/2 (slots {LLAMA_SLOTS})"
             assert page.locator("[data-testid=slots]").count() == 1
@@ -495,6 +502,146 @@ def test_ui_page_draws_drain_states_gaps_and_absent_fields() -> None:
             d = page.locator(queue).get_attribute("d") or ""
             assert d.count("M") == 2, d
             assert page.locator(queue).get_attribute("data-last") == "6"
+        finally:
+            browser.close()
+
+
+def _cache_catalog() -> dict[str, Any]:
+    """A catalog with the prefix-cache fields: a warm provider, a cold one, one of an older iop
+    without them; groups with prefix and session affinity, one with it off, one of an older iop."""
+    def provider(pid: str, **extra: Any) -> dict[str, Any]:
+        return {"id": pid, "node_id": "n1", "type": "vllm", "category": "local_inference", "health": "available",
+                "reason": "", "capacity": 2, "in_flight": 0, "queued": 0, "models": ["m"], "missing_models": [],
+                "lifecycle_capabilities": {}, "endpoints": ["chat/completions"], "slots": None, **extra}
+
+    def affinity(mode: str, bound: float, blocks: int, max_blocks: int, hit: int, miss: int,
+                 spill: int) -> dict[str, Any]:
+        return {"mode": mode, "load_bound": bound, "index_blocks": blocks, "index_max_blocks": max_blocks,
+                "decisions": {"hit": hit, "miss": miss, "spill": spill}}
+
+    providers = [provider("warm", prompt_tokens=1000, cached_tokens=623, cache_hit_rate=0.623),
+                 provider("cold", prompt_tokens=500, cached_tokens=0, cache_hit_rate=None),
+                 provider("older")]
+    candidates = [{"provider": "warm", "served_name": "m", "node_id": "n1", "health": "available",
+                   "capacity": 2, "in_flight": 0}]
+
+    def model(mid: str, **extra: Any) -> dict[str, Any]:
+        return {"id": mid, "display_name": mid, "candidates": candidates, "queued": 0, "oldest_wait_ms": None,
+                "available_slots": 2, "tenants": [], **extra}
+
+    return {"server_time_ms": 1_800_000_000_000, "providers": providers,
+            "models": [model("pre", affinity=affinity("prefix", 1.25, 120, 10000, 30, 8, 2)),
+                       model("ses", affinity=affinity("session", 2.0, 0, 200000, 0, 0, 0)),
+                       model("plain", affinity=None), model("old")],
+            "nodes": [{"id": "n1", "providers": ["warm", "cold", "older"]}], "tenants": []}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_page_shows_cache_hit_rates_and_affinity(tmp_path: Path) -> None:
+    """The page against a canned catalog: each provider's cache hit rate, and each model group's
+    affinity (mode, bound, index blocks, decisions and their hit share), or "off"."""
+    from playwright.sync_api import sync_playwright
+
+    ui = (Path(__file__).resolve().parents[2] / "api" / "ui.html").read_text()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.route("http://iop.test/ui", lambda route: route.fulfill(body=ui, content_type="text/html"))
+            page.route("http://iop.test/catalog", lambda route: route.fulfill(
+                status=200, content_type="application/json", body=json.dumps(_cache_catalog())))
+            page.goto("http://iop.test/ui")
+            page.wait_for_selector("#status[data-ok='1']", timeout=15_000)
+            cache = {pid: page.locator(f"[data-provider={pid}] [data-testid=cache]").inner_text()
+                     for pid in ("warm", "cold", "older")}
+            assert cache == {"warm": "62%", "cold": NONE, "older": NONE}
+            assert page.locator("[data-provider=warm] [data-testid=cache]").get_attribute("title") == (
+                "623 of 1000 prompt tokens served from its prefix cache")
+            fields = ("mode", "bound", "index", "hit", "miss", "spill", "hit-share")
+            affinity = {m: tuple(page.locator(f"[data-model={m}] [data-testid=affinity-{f}]").inner_text()
+                                 for f in fields) for m in ("pre", "ses")}
+            assert affinity == {"pre": ("prefix", "1.25", "120/10000", "30", "8", "2", "75%"),
+                                "ses": ("session", "2", "0/200000", "0", "0", "0", NONE)}
+            cell = page.locator("[data-model=pre] [data-testid=affinity]").inner_text()
+            assert " ".join(cell.split()) == (
+                "prefix · bound 1.25\u00d7 index 120/10000 blocks hit 30 · miss 8 · spill 2 (75% hits)")
+            for off in ("plain", "old"):
+                assert page.locator(f"[data-model={off}] [data-testid=affinity]").inner_text() == "off"
+                assert page.locator(f"[data-model={off}] [data-testid=affinity-mode]").count() == 0
+            shot = tmp_path / "ui-cache.png"
+            page.screenshot(path=str(shot), full_page=True)
+            for table in page.locator("table:visible").all():
+                box = table.bounding_box()
+                assert box is not None
+                assert box["width"] > 100, box
+        finally:
+            browser.close()
+
+
+def _limits_catalog() -> dict[str, Any]:
+    """The cache catalog with tenants: one with every limit (its request window full), one with
+    a token window alone, one without limits, and one of an older iop without the field."""
+    def tenant(name: str, limits: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "band": "standard", "weight": 1, "models": None, "max_queued": None,
+                "max_in_flight": None, "queued": 0, "in_flight": 0, "limits": limits, **extra}
+
+    def limits(rpm: int | None, r_used: int, tpm: int | None, t_used: int, tpd: int | None, today: int,
+               refused: tuple[int, int, int]) -> dict[str, Any]:
+        return {"requests_per_minute": rpm, "requests_used": r_used, "tokens_per_minute": tpm,
+                "tokens_used": t_used, "tokens_per_day": tpd, "tokens_used_today": today,
+                "refused": dict(zip(("requests", "tokens", "budget"), refused, strict=True))}
+
+    older = tenant("older")
+    del older["limits"]
+    return {**_cache_catalog(), "tenants": [
+        tenant("web", limits(60, 60, 20000, 3400, 1000000, 51200, (3, 0, 1)), max_in_flight=4),
+        tenant("bulk", limits(None, 0, 100000, 250, None, 0, (0, 2, 0))),
+        tenant("eval"), older]}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_page_shows_tenant_rate_limits_and_refusals(tmp_path: Path) -> None:
+    """The page against a canned catalog: per tenant, "used / limit" in each window (a dash for
+    a window without a limit), the full one marked, its refusals by reason; a dash without limits."""
+    from playwright.sync_api import sync_playwright
+
+    ui = (Path(__file__).resolve().parents[2] / "api" / "ui.html").read_text()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.route("http://iop.test/ui", lambda route: route.fulfill(body=ui, content_type="text/html"))
+            page.route("http://iop.test/catalog", lambda route: route.fulfill(
+                status=200, content_type="application/json", body=json.dumps(_limits_catalog())))
+            page.set_default_timeout(5_000)  # a missing cell fails fast
+            page.goto("http://iop.test/ui")
+            page.wait_for_selector("#status[data-ok='1']", timeout=15_000)
+            assert page.locator("#tenants-section").is_visible()
+            headers = page.locator("[data-testid=tenants] thead th").all_inner_texts()
+            assert [h.lower() for h in headers] == ["tenant", "band", "weight", "queued", "in flight", "limits",
+                                                    "rate limits", "models"]
+            fields = ("limit-rpm", "limit-tpm", "limit-tpd", "refused-requests", "refused-tokens", "refused-budget")
+            values = {t: tuple(page.locator(f"[data-tenant={t}] [data-testid={f}]").inner_text() for f in fields)
+                      for t in ("web", "bulk")}
+            assert values == {"web": ("60 / 60", "3400 / 20000", "51200 / 1000000", "3", "0", "1"),
+                              "bulk": (NONE, "250 / 100000", NONE, "0", "2", "0")}
+            cell = page.locator("[data-tenant=web] [data-testid=rate-limits]").inner_text()
+            assert [" ".join(line.split()) for line in cell.splitlines() if line.strip()] == [
+                "requests/min 60 / 60", "tokens/min 3400 / 20000", "tokens/day 51200 / 1000000",
+                "refused: 3 requests, 0 tokens, 1 budget"]
+            # Only a window used up is marked.
+            full = page.locator("[data-testid=rate-limits] .full")
+            assert [(f.get_attribute("data-testid"), f.inner_text()) for f in full.all()] == [("limit-rpm", "60 / 60")]
+            assert page.locator("[data-tenant=web] [data-testid=limit-tpd]").get_attribute("title") == (
+                "51200 of 1000000 tokens today (UTC)")
+            # The max_queued / max_in_flight limits stay in their own column.
+            assert page.locator("[data-tenant=web] [data-testid=limits]").inner_text() == "in flight ≤ 4"
+            # Without limits (null, or a catalog that does not say): a dash, nothing more.
+            for name in ("eval", "older"):
+                assert page.locator(f"[data-tenant={name}] [data-testid=rate-limits]").inner_text() == NONE
+                assert page.locator(f"[data-tenant={name}] [data-testid^=limit-]").count() == 0
+                assert page.locator(f"[data-tenant={name}] [data-testid^=refused-]").count() == 0
+            page.locator("#tenants-section").screenshot(path=str(tmp_path / "ui-tenant-limits.png"))
         finally:
             browser.close()
 

@@ -409,11 +409,104 @@ def test_catalog_table_of_an_older_iop_without_the_fields() -> None:
     assert _detail(text, "old") == []
 
 
+def _affinity(mode: str, load_bound: float, blocks: int, hit: int, miss: int, spill: int) -> dict[str, Any]:
+    """One ``models[].affinity`` of ``GET /catalog`` (dispatcher/catalog.py ``AffinityView``)."""
+    return {"mode": mode, "load_bound": load_bound, "index_blocks": blocks, "index_max_blocks": 10000,
+            "decisions": {"hit": hit, "miss": miss, "spill": spill}}
+
+
+def test_catalog_table_shows_cache_hit_rates_and_model_affinity() -> None:
+    doc = _catalog_doc(_catalog_provider("warm", "vllm", 4, 1, prompt_tokens=1000, cached_tokens=623,
+                                         cache_hit_rate=0.623),
+                       _catalog_provider("cold", "vllm", 2, 0, prompt_tokens=500, cached_tokens=0,
+                                         cache_hit_rate=None))
+    group = doc["models"][0]
+    doc["models"] = [{**group, "id": "pre", "display_name": "Prefix",
+                      "affinity": _affinity("prefix", 1.25, 120, 30, 8, 2)},
+                     {**group, "id": "ses", "display_name": "Session",
+                      "affinity": _affinity("session", 2.0, 0, 0, 0, 0)},
+                     {**group, "id": "plain", "display_name": "Plain", "affinity": None},
+                     {**group, "id": "old", "display_name": "Old"}]  # an older iop's catalog: no affinity
+    text = render(doc, colour=False)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= WIDTH
+    # The CACHE column: the hit rate under its header, "-" while the provider reported no cached token.
+    header = next(line for line in lines if line.lstrip().startswith("PROVIDER"))
+    at = header.index("CACHE")
+    assert {pid: _row(text, pid)[at:].split()[0] for pid in ("warm", "cold")} == {"warm": "62%", "cold": "-"}
+
+    def under(group_id: str) -> str:
+        """The line right under a model group's line."""
+        return lines[next(i for i, line in enumerate(lines) if line.startswith(f"  {group_id} (")) + 1]
+
+    assert under("pre") == "    affinity prefix: bound 1.25, index 120/10000 blocks, hit 30, miss 8, spill 2 (75% hits)"
+    # No decision yet: no hit share.
+    assert under("ses") == "    affinity session: bound 2, index 0/10000 blocks, hit 0, miss 0, spill 0 (- hits)"
+    # Affinity off (null) or unknown to the iop: straight to the candidates.
+    assert under("plain") == under("old") == "    warm -> m  available  1/4"
+    assert sum("affinity" in line for line in lines) == 2
+
+
 def _tenant(name: str, band: str, weight: float, queued: int, in_flight: int, max_queued: int | None = None,
-            max_in_flight: int | None = None) -> dict[str, Any]:
+            max_in_flight: int | None = None, limits: dict[str, Any] | None = None) -> dict[str, Any]:
     """One ``tenants[]`` entry of ``GET /catalog`` (dispatcher/catalog.py ``TenantView``)."""
     return {"name": name, "band": band, "weight": weight, "models": None, "max_queued": max_queued,
-            "max_in_flight": max_in_flight, "queued": queued, "in_flight": in_flight}
+            "max_in_flight": max_in_flight, "queued": queued, "in_flight": in_flight, "limits": limits}
+
+
+def _limits(rpm: int | None, requests_used: int, tpm: int | None, tokens_used: int, tpd: int | None,
+            tokens_used_today: int, requests: int = 0, tokens: int = 0, budget: int = 0) -> dict[str, Any]:
+    """One ``tenants[].limits`` of ``GET /catalog`` (dispatcher/catalog.py ``TenantLimitsView``)."""
+    return {"requests_per_minute": rpm, "requests_used": requests_used, "tokens_per_minute": tpm,
+            "tokens_used": tokens_used, "tokens_per_day": tpd, "tokens_used_today": tokens_used_today,
+            "refused": {"requests": requests, "tokens": tokens, "budget": budget}}
+
+
+def test_catalog_table_of_tenants_with_rate_limits_and_budgets() -> None:
+    doc = _catalog_doc(_catalog_provider("vllm-a", "vllm", 4, 3))
+    doc["tenants"] = [
+        _tenant("web", "interactive", 3, 2, 1, max_in_flight=4,
+                limits=_limits(60, 12, None, 0, 1_000_000, 51_200, requests=3, budget=1)),
+        _tenant("eval", "batch", 1, 0, 0),  # no limits: nothing under its row
+        _tenant("bulk", "batch", 0.5, 0, 0, limits=_limits(None, 0, 100_000, 100_000, None, 7, tokens=2)),
+        # Limits no terminal line holds at once: wrapped between items, never inside one.
+        _tenant("huge", "batch", 1, 0, 0, limits=_limits(
+            10**12, 10**12 - 1, 10**12, 10**12 - 1, 10**12, 10**12 - 1, requests=10**9, tokens=10**9, budget=10**9)),
+    ]
+    lines = render(doc, colour=False).splitlines()
+    start = lines.index("tenants")
+    end = lines.index("model groups")
+    assert lines[start:end] == [
+        "tenants",
+        "  TENANT  BAND         WEIGHT  QUEUED  IN FLIGHT  LIMITS        ",  # padded to the widest limits
+        "  web     interactive  3       2       1          in flight <= 4",
+        "    rate limits: requests/min 12/60, tokens/min -, tokens/day 51200/1000000; "
+        "refused 3 requests, 0 tokens, 1 budget",
+        "  eval    batch        1       0       0          -",
+        "  bulk    batch        0.5     0       0          -",
+        "    rate limits: requests/min -, tokens/min 100000/100000, tokens/day -; "
+        "refused 0 requests, 2 tokens, 0 budget",
+        "  huge    batch        1       0       0          -",
+        "    rate limits: requests/min 999999999999/1000000000000, tokens/min 999999999999/1000000000000,",
+        "      tokens/day 999999999999/1000000000000; "
+        "refused 1000000000 requests, 1000000000 tokens, 1000000000 budget",
+        "",
+    ]
+    assert max(len(line) for line in lines) <= WIDTH
+    # Colour changes nothing of it but the headers.
+    coloured = render(doc, colour=True).splitlines()
+    assert lines[start + 3] in coloured
+    assert lines[start + 6] in coloured
+
+
+def test_catalog_table_of_a_default_tenant_with_rate_limits_alone() -> None:
+    doc = _catalog_doc(_catalog_provider("vllm-a", "vllm", 4, 3))
+    doc["tenants"] = [_tenant("default", "standard", 1, 0, 0, limits=_limits(10, 1, None, 0, None, 0))]
+    lines = render(doc, colour=False).splitlines()
+    start = lines.index("tenants")
+    assert lines[start + 2:start + 4] == [
+        "  default  standard  1       0       0          -",
+        "    rate limits: requests/min 1/10, tokens/min -, tokens/day -; refused 0 requests, 0 tokens, 0 budget"]
 
 
 def test_catalog_table_of_tenants_below_the_providers() -> None:

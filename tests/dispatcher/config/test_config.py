@@ -451,6 +451,53 @@ def test_model_queue_overrides_range(field: str, value: int, expected: str) -> N
     assert expected in problem.message
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [("mode", "lru", "Invalid enum value 'lru' (expected one of: off, prefix, session)"), ("load_bound", 0.9, ">= 1.0"),
+     ("load_floor", 1.5, "<= 1.0"), ("load_floor", -0.1, ">= 0.0"), ("index_max_blocks", 10, ">= 16"),
+     ("look_ahead", 65, "<= 64"), ("max_wait_ms", -1, ">= 0"), ("weight", 2, "unknown field")],
+)
+def test_model_affinity_range(field: str, value: object, expected: str) -> None:
+    raw = base()
+    raw["models"][0]["affinity"] = {"mode": "prefix", field: value}
+    problem = only_problem(raw)
+    assert problem.path == f"$.models[0].affinity.{field}"
+    assert expected in problem.message, problem.message
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("requests_per_minute", 0, ">= 1"), ("tokens_per_minute", -5, ">= 1"), ("tokens_per_day", 0, ">= 1"),
+    ("output_tokens_if_unset", -1, ">= 0"), ("requests_per_second", 5, "unknown field"),
+])
+def test_tenant_limits_range(field: str, value: int, expected: str) -> None:
+    raw = base()
+    raw["api"]["keys"] = [{"name": "t", "key_sha256": "0" * 64, "limits": {field: value}}]
+    problem = only_problem(raw)
+    assert problem.path == f"$.api.keys[0].limits.{field}"
+    assert expected in problem.message
+
+
+@pytest.mark.parametrize(("fallbacks", "path", "expected"), [
+    ({"m1": ["nope"]}, "$.models[0].fallbacks[0]", "unknown model 'nope'"),
+    ({"m1": ["m1"]}, "$.models[0].fallbacks[0]", "its own fallback"),
+    ({"m1": ["m2", "m2"]}, "$.models[0].fallbacks[1]", "listed twice"),
+    ({"m1": ["m2"], "m2": ["m1"]}, "$.models[0].fallbacks[0]", "loop: m1 -> m2 -> m1"),
+])
+def test_model_fallbacks_are_checked(fallbacks: dict[str, list[str]], path: str, expected: str) -> None:
+    raw = base()
+    raw["models"].append({"id": "m2", "providers": {"p1": "served-m1"}})
+    for model in raw["models"]:
+        model["fallbacks"] = fallbacks.get(model["id"], [])
+    problems = problems_of(raw)
+    assert any(p.path == path and expected in p.message for p in problems), problems
+
+
+def test_a_refuse_predicted_over_ms_below_1_is_refused() -> None:
+    raw = base()
+    raw["queue"]["refuse_predicted_over_ms"] = 0
+    assert only_problem(raw).path == "$.queue.refuse_predicted_over_ms"
+
+
 # --------------------------------------------------------------------------- all problems at once
 
 

@@ -1,0 +1,91 @@
+"""Deadlines in the scripts, against a real Redis: a queue's drain rate is measured while it
+has a backlog (``lua/lib/pump.lua`` note_drain), and a submit whose place in the queue times
+that rate is over its deadline is refused at once (``lua/submit.lua``); a caller's deadline
+shortens the queue wait."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import anyio
+import pytest
+from redis.asyncio import Redis
+
+from dispatcher import keys
+from dispatcher.protocol import SubmitStatus, Submitted
+from tests.dispatcher.test_scripts import Harness, make_config
+
+pytestmark = pytest.mark.anyio
+
+
+class DeadlineHarness(Harness):
+    async def send(self, deadline_ms: int = 0) -> tuple[str, Submitted]:
+        job = uuid.uuid4().hex
+        lane = self.calls.plans.main_lane("m")
+        return job, await self.api.submit(job, lane, b'{"model":"m"}', "chat/completions", False,
+                                          deadline_ms=deadline_ms)
+
+    async def finish(self, job: str) -> None:
+        await self.node.finish(await self.assignment(job), b"", mode="done")
+
+    async def interval(self) -> float | None:
+        raw = await self.redis.hget(keys.DRAIN_RATES, self.calls.plans.main_lane("m").queue)
+        tail = raw.decode().split("|")[2] if raw else ""  # '<block start>|<count>|<interval>'
+        return float(tail) if tail else None
+
+
+async def backlog(redis: Redis, spacing_s: float, **queue: Any) -> tuple[DeadlineHarness, list[str]]:
+    """One slot; a job running and eleven waiting; nine finish ``spacing_s`` apart: the
+    queue drained one job per ``spacing_s`` while it had a backlog (a block of eight
+    intervals, lua/lib/pump.lua note_drain); one runs and two wait."""
+    h = DeadlineHarness(redis, make_config({"p": 1}, {"m": ["p"]}, **queue))
+    await h.up("p")
+    jobs = [(await h.send())[0] for _ in range(12)]
+    assert await h.interval() is None  # nothing waited yet: no rate
+    for i, job in enumerate(jobs[:9]):
+        await anyio.sleep(spacing_s)
+        await h.finish(job)
+        if i < 8:
+            assert await h.interval() is None  # a block of eight intervals first: bursts even out
+    return h, jobs
+
+
+async def test_the_drain_rate_is_measured_while_the_queue_has_a_backlog(any_redis: Redis) -> None:
+    h, jobs = await backlog(any_redis, 0.1)
+    interval = await h.interval()
+    assert interval is not None
+    assert 80 <= interval <= 300
+    # Emptied, the queue keeps its rate, but the idle time until the next backlog never counts.
+    for job in jobs[9:]:
+        await h.finish(job)
+    kept = await h.interval()
+    await anyio.sleep(0.5)
+    job, _ = await h.send()
+    await h.finish(job)
+    assert await h.interval() == kept
+
+
+async def test_a_wait_predicted_over_the_deadline_is_refused_at_once(any_redis: Redis) -> None:
+    h, _ = await backlog(any_redis, 0.1)
+    # Two wait, one runs: a third's place would take about 3 x 100 ms.
+    _, refused = await h.send(deadline_ms=150)
+    assert refused.status == SubmitStatus.DEADLINE_UNMEETABLE
+    assert 50 <= int(refused.why) <= 800  # the predicted wait beyond the deadline, ms
+    assert refused.queued == 2  # and it left the queue
+    # A deadline the queue can meet: it waits, and no longer than its deadline.
+    _, queued = await h.send(deadline_ms=5_000)
+    assert queued.status == SubmitStatus.QUEUED
+    assert queued.wait_ms <= 5_000
+
+
+async def test_without_a_deadline_or_a_shedding_setting_nothing_is_refused(any_redis: Redis) -> None:
+    h, _ = await backlog(any_redis, 0.1)
+    assert (await h.send())[1].status == SubmitStatus.QUEUED
+
+
+async def test_a_model_may_shed_load_without_a_deadline(any_redis: Redis) -> None:
+    h, _ = await backlog(any_redis, 0.1, refuse_predicted_over_ms=150)
+    assert (await h.send())[1].status == SubmitStatus.DEADLINE_UNMEETABLE
+    # A caller's deadline counts where it is shorter, never where it is longer.
+    assert (await h.send(deadline_ms=10_000))[1].status == SubmitStatus.DEADLINE_UNMEETABLE
