@@ -10,6 +10,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from redis.exceptions import RedisError
 
+from dispatcher.endpoints import ENDPOINTS
 from dispatcher.exceptions import (
     ProviderRejected,
     RedisUnavailable,
@@ -24,11 +25,11 @@ log = logging.getLogger("iop.api")
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-ANTHROPIC_PATHS = "/v1/messages"
-
-
 def anthropic(request: Request[Any, Any, Any]) -> bool:
-    return request.url.path.startswith(ANTHROPIC_PATHS)
+    """Whether the request's endpoint answers errors in Anthropic's shape: the endpoint table
+    says (``dispatcher/endpoints.py`` ``errors``), for ``/v1/<endpoint>`` paths."""
+    spec = ENDPOINTS.get(request.url.path.removeprefix("/v1/"))
+    return spec is not None and spec.errors == "anthropic"
 
 
 def _answer(request: Request[Any, Any, Any], exc: RequestError) -> Response[object]:

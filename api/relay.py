@@ -7,6 +7,7 @@ the served name).
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -54,11 +55,17 @@ async def relay(
     except HTTPException as exc:
         clock.done(exc.status_code)
         raise
+    except asyncio.CancelledError:
+        # The caller went away (or the server is stopping): not a failure of iop's.
+        clock.done(CLIENT_CLOSED)
+        raise
     except BaseException:
         clock.done(500)
         raise
 
 
+# What a request whose handler was cancelled is counted as (nginx's "client closed request").
+CLIENT_CLOSED = 499
 # The statuses a model's fallbacks are tried on: it cannot take the request at once.
 FALL_BACK_ON = frozenset({SubmitStatus.NO_PROVIDER, SubmitStatus.FULL, SubmitStatus.TENANT_FULL,
                           SubmitStatus.DEADLINE_UNMEETABLE})

@@ -182,7 +182,7 @@ class DrainWatch:
         queue, t0 = keys.queue(prefix_fleet.MODEL), time.monotonic()
         while not self.stopped.wait(0.05):
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hget(keys.DRAIN_RATES, queue)
+                pipe.hget(keys.QUEUE_RATES, queue)
                 pipe.zcard(queue)
                 raw, waiting = pipe.execute()
             interval = (raw or b"").decode().rpartition("|")[2]

@@ -27,12 +27,6 @@ class Parsed(NamedTuple):
     previous_response_id: str | None = None
 
 
-def parse_request(body: bytes) -> tuple[str, bool]:
-    """The ``model`` and ``stream`` of a request body, or InvalidRequest saying what is wrong."""
-    parsed = read_request(body)
-    return parsed.model, parsed.stream
-
-
 def read_request(body: bytes) -> Parsed:
     """What iop reads of a JSON request body, or InvalidRequest saying what is wrong."""
     try:

@@ -42,9 +42,15 @@ and every script can be given all of its keys in KEYS.
 |                          |        | dispatcher/wire.py); ``<id>`` a digest of its content; TTL 1 d |
 | ``{iop}:plan:<id>:lanes``| set    | its lanes' queue keys                                          |
 | ``{iop}:aff:<model>``    | hash   | cache-aware dispatch: prompt block hash -> providers that      |
-|                          |        | served it (latest first, comma-separated)                      |
+|                          |        | served it (its home first, comma-separated)                    |
 | ``{iop}:afft:<model>``   | zset   | block hash -> last use ms (bounds the index: oldest go first)  |
+| ``{iop}:affn:<model>``   | hash   | provider -> blocks the index lists it as holding               |
 | ``{iop}:aff:stats``      | hash   | ``<model>\t<hit|miss|spill>`` -> affinity decisions           |
+| ``{iop}:limits``         | hash   | tenants' rate limits and budgets (lua/lib/limits.lua):         |
+|                          |        | ``r:``/``t:<tenant>`` GCRA arrival ms ``|`` limit, ``d:<tenant>`` |
+|                          |        | ``<day>:<tokens used>``, ``x:<tenant>:<limit>`` refusals        |
+| ``{iop}:qrate``          | hash   | queue key -> ``<block start>|<count>|<interval ms>``: how fast  |
+|                          |        | it drains while it has a backlog (deadlines, lua/submit.lua)   |
 | ``{iop}:responses``      | hash   | Responses API response id -> ``provider\tmodel\texpiry ms``  |
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
@@ -79,7 +85,7 @@ RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
 AFFINITY_STATS = f"{PREFIX}:aff:stats"
 # Each lane's drain rate while it has a backlog (lua/lib/pump.lua note_drain).
-DRAIN_RATES = f"{PREFIX}:drain"
+QUEUE_RATES = f"{PREFIX}:qrate"
 # The tenants' rate limits and budgets (lua/lib/limits.lua: r:/t:/d:/x: fields per tenant).
 LIMITS = f"{PREFIX}:limits"
 RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"

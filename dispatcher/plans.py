@@ -114,9 +114,9 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         head = wire.PlanHeader(
             fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
             limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
-            park=keys.parked(""), affinity_stats=stats, rates=pos(keys.DRAIN_RATES), only=only)
+            park=keys.parked(""), affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only)
     else:
-        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.DRAIN_RATES), only=only)
+        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only)
     header = wire.encode(head)
     lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
     key_list = list(index)

@@ -83,8 +83,8 @@ class Reaper:
         self.provider_ids = [p.id for _, p in self.config.providers()]
 
     async def run_forever(self) -> None:
-        """A round every ``reap_interval_ms`` (when this process wins the lock), for good."""
-        period = self.config.dispatch.reap_interval_ms / 1000
+        """A round every ``reap_period_ms`` (when this process wins the lock), for good."""
+        period = self.config.dispatch.reap_period_ms / 1000
         while True:
             await anyio.sleep(period)
             try:
@@ -94,7 +94,7 @@ class Reaper:
 
     async def run_once(self) -> ReapStats | None:
         """One round, if no other process holds the round lock; None when skipped."""
-        interval = self.config.dispatch.reap_interval_ms
+        interval = self.config.dispatch.reap_period_ms
         if not await self.redis.set(keys.REAPER_LOCK, self.owner, nx=True, px=interval):
             return None
         round_ = await self.open_round()

@@ -151,7 +151,10 @@ class DispatchConfig(_Base, frozen=True):
     probe_interval_ms: int = 5_000
     busy_probe_interval_ms: int | None = None
     probe_timeout_ms: int = 2_000
-    reap_interval_ms: int = 1_000
+    # How often the reaper runs (reap_period_ms). Unset: 1 s, or less where the leases or
+    # the replica TTL are short enough to need it; set: it must stay under half of
+    # observation_gap_ms (validation.py).
+    reap_interval_ms: int | None = None
     # An API replica silent this long is dead: the reaper cancels what it waited on.
     replica_ttl_ms: int = 10_000
     # Dispatches of one job when its worker dies before any output reached the client.
@@ -166,6 +169,14 @@ class DispatchConfig(_Base, frozen=True):
         if self.busy_probe_interval_ms is not None:
             return self.busy_probe_interval_ms
         return BUSY_PROBE_FACTOR * self.probe_interval_ms
+
+    @property
+    def reap_period_ms(self) -> int:
+        """``reap_interval_ms``, else 1 s, shortened to stay under half of the observation
+        gap: a default never fails validation, whatever the leases and TTLs."""
+        if self.reap_interval_ms is not None:
+            return self.reap_interval_ms
+        return max(min(1_000, (self.observation_gap_ms - 1) // 2), 1)
 
     @property
     def observation_gap_ms(self) -> int:

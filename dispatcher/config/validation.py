@@ -86,7 +86,7 @@ def validate(config: Config) -> list[ConfigProblem]:
     d = config.dispatch
     for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
                  "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
-        if getattr(d, name) <= 0:
+        if getattr(d, name) is not None and getattr(d, name) <= 0:
             bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
     busy = d.busy_probe_interval_ms
     if busy is not None and busy < max(d.probe_interval_ms, 1):
@@ -102,7 +102,8 @@ def validate(config: Config) -> list[ConfigProblem]:
             bad(f"$.responses.{name}", f"must be > 0, got {getattr(config.responses, name)}")
     if d.drain_grace_s < 0:
         bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
-    if min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0 and 2 * d.reap_interval_ms >= d.observation_gap_ms:
+    if (d.reap_interval_ms is not None and min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0
+            and 2 * d.reap_interval_ms >= d.observation_gap_ms):
         bad("$.dispatch.reap_interval_ms",
             f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
             f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")

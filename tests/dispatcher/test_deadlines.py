@@ -30,7 +30,7 @@ class DeadlineHarness(Harness):
         await self.node.finish(await self.assignment(job), b"", mode="done")
 
     async def interval(self) -> float | None:
-        raw = await self.redis.hget(keys.DRAIN_RATES, self.calls.plans.main_lane("m").queue)
+        raw = await self.redis.hget(keys.QUEUE_RATES, self.calls.plans.main_lane("m").queue)
         tail = raw.decode().split("|")[2] if raw else ""  # '<block start>|<count>|<interval>'
         return float(tail) if tail else None
 

@@ -140,6 +140,12 @@ def test_caller_keys_gate_the_api_and_never_reach_the_provider(system: System) -
 
 
 def test_no_key_reaches_any_log(system: System) -> None:
+    # Every key in play here, whatever ran before: both caller keys answered (the provider's
+    # own key then sent upstream), and a wrong one refused.
+    for key in ("caller-secret-one", "caller-secret-two"):
+        ok = httpx.post(f"{system.api_url}/v1/chat/completions", headers=headers(key), timeout=30,
+                        json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200
     httpx.post(f"{system.api_url}/v1/chat/completions", headers=headers("wrong-secret-abc"), json={"model": "m"})
     logs = system.logs() + "".join(Path(p.log_path).read_text(errors="replace") for p in system.procs)
     for secret in ("caller-secret-one", "caller-secret-two", "wrong-secret-abc", PROVIDER_KEY):

@@ -33,7 +33,9 @@ CAPACITY = {"p1": 4, "p2": 2, "p3": 3}
 # Clear answers a caller may get while workers die under it.
 ACCEPTED_ERRORS = {"worker_lost", "provider_error", "queue_timeout"}
 # Keys that hold configuration or provider state and live on with no TTL.
-PERSISTENT = ("{iop}:p:", "{iop}:n:", "{iop}:seq", "{iop}:fence", "{iop}:replicas", "{iop}:reaper:seen")
+# (qrate: one field per queue that ever had a backlog, bounded by the config.)
+PERSISTENT = ("{iop}:p:", "{iop}:n:", "{iop}:seq", "{iop}:fence", "{iop}:replicas", "{iop}:reaper:seen",
+              "{iop}:qrate")
 
 
 @pytest.fixture

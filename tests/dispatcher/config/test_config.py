@@ -498,6 +498,24 @@ def test_a_refuse_predicted_over_ms_below_1_is_refused() -> None:
     assert only_problem(raw).path == "$.queue.refuse_predicted_over_ms"
 
 
+@pytest.mark.parametrize(("dispatch", "period"), [
+    ({}, 1000), ({"replica_ttl_ms": 3000}, 749), ({"lease_ms": 6000}, 999), ({"lease_ms": 3000}, 499),
+    ({"replica_ttl_ms": 3000, "reap_interval_ms": 500}, 500),
+])
+def test_the_reaper_period_default_never_fails_validation(dispatch: dict[str, int], period: int) -> None:
+    raw = base()
+    raw["dispatch"] = dispatch
+    d = cfg.parse(raw).config.dispatch
+    assert d.reap_period_ms == period
+    assert 2 * d.reap_period_ms < d.observation_gap_ms
+
+
+def test_a_reap_interval_set_too_long_is_still_refused() -> None:
+    raw = base()
+    raw["dispatch"] = {"replica_ttl_ms": 3000, "reap_interval_ms": 1000}
+    assert only_problem(raw).path == "$.dispatch.reap_interval_ms"
+
+
 # --------------------------------------------------------------------------- all problems at once
 
 

@@ -930,8 +930,12 @@ async def test_a_pooled_connection_the_provider_closed_is_retried_on_a_fresh_one
     try:
         for _ in range(6):
             for stream in (False, True):
-                await adapter.call(chat(stream=stream), RecordingSink())
+                sink = RecordingSink()
+                await adapter.call(chat(stream=stream), sink)
+                assert sink.payloads if stream else (sink.answer and sink.answer[0] == 200)  # answered
                 await asyncio.sleep(0.05)  # let the fake close the idle connection
+        # The retry ran: a dead pooled connection sent the call to the fresh-connection session.
+        assert adapter._fresh is not None
     finally:
         await adapter.aclose()
 
