@@ -18,16 +18,16 @@ from redis.exceptions import RedisError
 
 from api.auth import admin_guard
 from api.metrics import RequestMetrics
-from api.streams import StreamSlots
+from api.stream_slots import StreamSlots
 from api.waiting import ReplyReader
 from dispatcher import keys, tracing
 from dispatcher.api_side import ApiSide
 from dispatcher.config import Config
 from dispatcher.plans import Plans
-from dispatcher.protocol import ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.reloading import describe_changes, reread
+from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenants
 

@@ -22,7 +22,7 @@ import msgspec
 
 from dispatcher import wire
 from dispatcher.exceptions import BudgetExhausted, InvalidRequest, RateLimited, RequestError
-from dispatcher.protocol import SubmitStatus
+from dispatcher.script_calls import SubmitStatus
 from dispatcher.tenants import Tenant
 
 DAY_MS = 86_400_000

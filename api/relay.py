@@ -20,7 +20,7 @@ from api.answers import failure, json_answer, sse_answer
 from api.gateway import Gateway
 from api.intake import Intake, fallbacks, take, take_stored
 from api.metrics import RequestClock
-from api.streams import no_slot
+from api.stream_slots import no_slot
 from api.waiting import ClientGone, HangUpWatch, JobWait
 from dispatcher import tracing
 from dispatcher.endpoints import ENDPOINTS
@@ -36,7 +36,7 @@ from dispatcher.exceptions import (
     TenantQueueFull,
     WorkerLost,
 )
-from dispatcher.protocol import SubmitStatus, Submitted
+from dispatcher.script_calls import SubmitStatus, Submitted
 
 
 async def relay(

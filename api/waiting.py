@@ -26,8 +26,8 @@ from dispatcher.events import Chunks, Done, End, Failed, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
 from dispatcher.fastredis import FastRedis
 from dispatcher.holding import held
-from dispatcher.protocol import CancelOutcome, CancelReason, SubmitStatus, Submitted
 from dispatcher.redis_conn import BLOCK_MS, blocking_timeout
+from dispatcher.script_calls import CancelOutcome, CancelReason, SubmitStatus, Submitted
 
 if TYPE_CHECKING:  # the gateway holds the reply reader defined here
     from api.gateway import Gateway

@@ -29,8 +29,8 @@ from dispatcher import keys
 from dispatcher.api_side import ApiSide
 from dispatcher.events import Assignment
 from dispatcher.plans import Plans
-from dispatcher.protocol import CancelReason, ScriptCalls
 from dispatcher.redis_conn import connect, connect_fast
+from dispatcher.script_calls import CancelReason, ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer

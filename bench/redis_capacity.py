@@ -76,8 +76,8 @@ from dispatcher.api_side import ApiSide
 from dispatcher.events import Assignment, Done, End, Failed, Meta
 from dispatcher.fastredis import Arg, FastRedis
 from dispatcher.plans import Lane, Plans
-from dispatcher.protocol import FinishOutcome, ScriptCalls, SubmitStatus
 from dispatcher.redis_conn import BLOCK_MS, blocking_timeout, connect, connect_fast
+from dispatcher.script_calls import FinishOutcome, ScriptCalls, SubmitStatus
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenant
 from dispatcher.worker_side import WorkerSide

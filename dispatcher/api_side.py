@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from dispatcher import keys, wire
 from dispatcher.holding import held
 from dispatcher.plans import Lane
-from dispatcher.protocol import Cancelled, CancelReason, ScriptCalls, SubmitStatus, Submitted
+from dispatcher.script_calls import Cancelled, CancelReason, ScriptCalls, SubmitStatus, Submitted
 from dispatcher.tenants import Tenant
 
 

@@ -23,9 +23,9 @@ import msgspec
 from redis.asyncio import Redis
 
 from dispatcher import keys
+from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
-from dispatcher.lifecycle import LifecycleFlags, flags_for
 from dispatcher.plans import Plans
 from dispatcher.tenants import Tenant, Tenants, bands, flow_control
 

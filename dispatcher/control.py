@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from dispatcher import keys
 from dispatcher.exceptions import UnknownProvider
-from dispatcher.protocol import ScriptCalls
+from dispatcher.script_calls import ScriptCalls
 
 # "draining": marked, jobs still run on it; "drained": marked, nothing runs (safe to stop).
 DrainLabel = Literal["draining", "drained"]

@@ -180,7 +180,7 @@ class Plans:
         self.pinned_only = frozenset(self.banded(ln, rank).queue for ln in self.provider_lane.values()
                                      for rank in range(len(self.bands))) - shared
         self.everything = build(config, [ln for lanes in self.lanes_by_model.values() for ln in lanes], self.fair)
-        # The queue keys each provider's plan pumps (dispatcher/protocol.py: what a release
+        # The queue keys each provider's plan pumps (dispatcher/script_calls.py: what a release
         # did not pump).
         self.provider_queues = {
             prov.id: frozenset(ln.queue for lanes in self.lanes_by_model.values() for ln in lanes

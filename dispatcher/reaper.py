@@ -26,7 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 from dispatcher import events, keys
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
-from dispatcher.protocol import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
+from dispatcher.script_calls import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
 

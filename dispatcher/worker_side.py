@@ -11,7 +11,7 @@ from redis.exceptions import ResponseError
 from dispatcher import keys
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
-from dispatcher.protocol import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
+from dispatcher.script_calls import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
 
 
 class WorkerSide:

@@ -10,7 +10,7 @@ from redis.exceptions import RedisError
 
 from dispatcher import events
 from dispatcher.events import Assignment, Chunks, Done, End, Meta, Start, Usage
-from dispatcher.protocol import EmitOutcome
+from dispatcher.script_calls import EmitOutcome
 from dispatcher.worker_side import WorkerSide
 
 log = logging.getLogger("iop.worker")

@@ -69,10 +69,10 @@ from dispatcher.exceptions import (
 from dispatcher.jsonbody import with_model, with_model_asking_usage
 from dispatcher.multipart import with_field
 from dispatcher.plans import Plans
-from dispatcher.protocol import FinishMode, FinishOutcome, ScriptCalls
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import BLOCK_MS, Clients, blocking_timeout, server_warnings
 from dispatcher.reloading import describe_changes, reread
+from dispatcher.script_calls import FinishMode, FinishOutcome, ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink

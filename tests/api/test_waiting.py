@@ -17,7 +17,7 @@ from api.waiting import ClientGone, JobWait, ReplyReader, Waiter
 from dispatcher import events
 from dispatcher.events import Chunks, End, Meta, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
-from dispatcher.protocol import SubmitStatus, Submitted
+from dispatcher.script_calls import SubmitStatus, Submitted
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ from dispatcher.affinity import blocks_of
 from dispatcher.api_side import ApiSide
 from dispatcher.catalog import read_catalog
 from dispatcher.plans import Plans
-from dispatcher.protocol import ScriptCalls
+from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenants
 from tests.dispatcher.test_scripts import Harness

@@ -13,9 +13,9 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
+from dispatcher.capability_flags import LifecycleFlags
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
-from dispatcher.lifecycle import LifecycleFlags
 from tests.dispatcher.test_flow_control import FairHarness
 from tests.dispatcher.test_scripts import Harness
 

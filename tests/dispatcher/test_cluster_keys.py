@@ -32,8 +32,8 @@ from redis.exceptions import ResponseError
 from dispatcher import config as cfg
 from dispatcher import events, keys
 from dispatcher.events import Assignment, Meta, Start
-from dispatcher.protocol import Abort, AbortReason, CancelReason
 from dispatcher.reaper import Reaper
+from dispatcher.script_calls import Abort, AbortReason, CancelReason
 from dispatcher.scripts import NAMES, Scripts
 from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer

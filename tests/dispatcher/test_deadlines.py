@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from dispatcher import keys
-from dispatcher.protocol import SubmitStatus, Submitted
+from dispatcher.script_calls import SubmitStatus, Submitted
 from tests.dispatcher.test_scripts import Harness, make_config
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from dispatcher import config as cfg
 from dispatcher import keys
 from dispatcher.plans import Plans
-from dispatcher.protocol import CancelReason
+from dispatcher.script_calls import CancelReason
 from dispatcher.tenants import Tenant, Tenants, flow_control
 from tests.dispatcher.test_scripts import Harness
 

@@ -27,8 +27,8 @@ from dispatcher.exceptions import ConfigError
 from dispatcher.fastredis import FastRedis
 from dispatcher.holding import held
 from dispatcher.plans import Lane, Plans
-from dispatcher.protocol import ScriptCalls, SubmitStatus
 from dispatcher.redis_conn import connect, connect_fast
+from dispatcher.script_calls import ScriptCalls, SubmitStatus
 from dispatcher.scripts import Scripts
 from iop.redis_server import RedisServer
 

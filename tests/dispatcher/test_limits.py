@@ -17,7 +17,7 @@ from api import ratelimits
 from dispatcher import config as cfg
 from dispatcher import keys, wire
 from dispatcher.catalog import read_catalog
-from dispatcher.protocol import SubmitStatus, Submitted
+from dispatcher.script_calls import SubmitStatus, Submitted
 from dispatcher.tenants import Tenants
 from tests.dispatcher.test_scripts import Harness
 

@@ -7,8 +7,8 @@ from redis.asyncio import Redis
 
 from dispatcher import events, keys
 from dispatcher.events import Failed, Meta, Requeued, Start
-from dispatcher.protocol import Abort, AbortReason, CancelReason, Correction
 from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper, Reconciled
+from dispatcher.script_calls import Abort, AbortReason, CancelReason, Correction
 from tests.dispatcher.test_scripts import Harness, make_config
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
-from dispatcher.protocol import CancelReason, Correction
 from dispatcher.reaper import Reaper, Reconciled
+from dispatcher.script_calls import CancelReason, Correction
 from tests.dispatcher.test_flow_control import FairHarness
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import keys
-from dispatcher.protocol import CancelReason
 from dispatcher.reaper import Reaper
+from dispatcher.script_calls import CancelReason
 from dispatcher.tenants import Tenants
 from tests.dispatcher.test_flow_control import FairHarness, drain
 from tests.dispatcher.test_lanes import LaneHarness, lane_config

@@ -1,5 +1,5 @@
 """A model-based test of the scheduler: Hypothesis drives the real Lua scripts, through
-``dispatcher.protocol.ScriptCalls``, against real redis-servers (every available version),
+``dispatcher.script_calls.ScriptCalls``, against real redis-servers (every available version),
 and a small Python model of the jobs checks the scheduler's invariants after every step.
 
 The world: providers ``a`` (chat and responses; models m1, m2; capacity 1), ``b`` (rerank
@@ -62,8 +62,8 @@ from dispatcher import events, keys
 from dispatcher.events import Assignment, Done, Failed, Meta, Requeued, Start
 from dispatcher.exceptions import ProviderUnreachable, WorkerLost
 from dispatcher.plans import Lane, Plans
-from dispatcher.protocol import CancelReason, FinishMode, ScriptCalls, Submitted
 from dispatcher.reaper import Reaper
+from dispatcher.script_calls import CancelReason, FinishMode, ScriptCalls, Submitted
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenant, Tenants
 from iop.redis_server import RedisServer
@@ -87,7 +87,7 @@ KNOWN_DEFECTS: frozenset[str] = frozenset()  # none left
 #     by their tenant's release), in a queue no plan pumps; and jobs pinned to a provider it
 #     removed waited out their deadline. Now reaper rounds move them (lua/rehome.lua) or
 #     answer the pinned ones (lua/abandon.lua), and a job coming back to such a key is moved
-#     at once (dispatcher/protocol.py rehome_queue).
+#     at once (dispatcher/script_calls.py rehome_queue).
 #     test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider removed,
 #     band renamed], test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
 #     test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
@@ -660,7 +660,7 @@ def inv4_waiting_jobs_are_pumped(w: World, s: Snapshot) -> Iterator[Problem]:
     """Invariant 4: every waiting job is in a lane queue that the plan of some provider of the
     config in force pumps: none is stranded after a reload. A parked job may go back to a lane
     a reload took away: whatever brings it back moves it to its lane at once
-    (dispatcher/protocol.py rehome_queue; inv6 checks that it then runs)."""
+    (dispatcher/script_calls.py rehome_queue; inv6 checks that it then runs)."""
     pumped = lane_queues(w.plans)
     for job, rec in s.records.items():
         if rec["state"] != "q":

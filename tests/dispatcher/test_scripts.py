@@ -14,7 +14,7 @@ from dispatcher import keys
 from dispatcher.api_side import ApiSide
 from dispatcher.events import Assignment, decode_record
 from dispatcher.plans import Plans
-from dispatcher.protocol import Abort, AbortReason, CancelReason, ScriptCalls
+from dispatcher.script_calls import Abort, AbortReason, CancelReason, ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 

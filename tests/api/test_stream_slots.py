@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.streams import StreamSlots
+from api.stream_slots import StreamSlots
 from dispatcher.exceptions import Overloaded
 
 
