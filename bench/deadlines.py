@@ -70,7 +70,7 @@ from bench.prefix_fleet import (
     nominal_capacity,
     prefix_working_set,
 )
-from bench.stack import markdown_table, percentile, write_section
+from bench.stack import command_line, markdown_table, percentile, write_section
 from dispatcher import keys
 
 COMMAND: Final = "python -m bench.deadlines"
@@ -411,16 +411,8 @@ def notes(args: argparse.Namespace, sim: SimConfig, w: Workload, cap: Capacity, 
 def command(args: argparse.Namespace) -> str:
     if args.quick:
         return f"{COMMAND} --quick"
-    flags = []
-    defaults: dict[str, Any] = {"seconds": 60.0, "warmup": 10.0, "loads": [1.0, 1.2], "deadline_ms": 1000,
-                                "slo_ms": 2000.0, "servers": 4, "seed": "iop-20"}
-    for name, default in defaults.items():
-        value = getattr(args, name)
-        if value != default:
-            shown = " ".join(f"{v:g}" for v in value) if isinstance(value, list) else (
-                f"{value:g}" if isinstance(value, float) else str(value))
-            flags.append(f"--{name.replace('_', '-')} {shown}")
-    return " ".join([COMMAND, *flags])
+    return command_line(COMMAND, args, {"seconds": 60.0, "warmup": 10.0, "loads": [1.0, 1.2], "deadline_ms": 1000,
+                                        "slo_ms": 2000.0, "servers": 4, "seed": "iop-20"})
 
 
 async def main(args: argparse.Namespace) -> str:

@@ -80,7 +80,7 @@ import uvloop
 import yaml
 
 from bench.fleet_sim import SimConfig
-from bench.stack import Stack, markdown_table, percentile, write_section
+from bench.stack import Stack, command_line, markdown_table, percentile, write_section
 from iop.processes import Child, stop_all, wait_http, wait_port
 from iop.redis_server import free_port
 
@@ -785,16 +785,9 @@ def workload_notes(args: argparse.Namespace, sim: SimConfig, w: Workload, workin
 def command(args: argparse.Namespace) -> str:
     if args.quick:
         return f"{COMMAND} --quick"
-    flags = []
-    defaults = {"seconds": 45.0, "warmup": 10.0, "targets": list(TARGETS), "variants": list(VARIANTS),
-                "loads": [0.5, 0.8, 1.0]}
-    for name, default in defaults.items():
-        value = getattr(args, name)
-        if value != default:
-            shown = " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) \
-                if isinstance(value, list) else f"{value:g}"
-            flags.append(f"--{name} {shown}")
-    return " ".join([COMMAND, *flags])
+    return command_line(COMMAND, args, {
+        "seconds": 45.0, "warmup": 10.0, "targets": list(TARGETS), "variants": list(VARIANTS),
+        "loads": [0.5, 0.8, 1.0], "iop_capacity": SimConfig().max_batch, "affinity": {}})
 
 
 # --------------------------------------------------------------------------- main

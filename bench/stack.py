@@ -3,6 +3,7 @@ API processes, started as real processes, plus CPU, memory and Redis counters to
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -169,3 +170,18 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def command_line(command: str, args: Any, defaults: dict[str, Any]) -> str:
+    """``command`` with the flags of ``args`` that differ from ``defaults`` (the way a
+    benchmark states, next to its figures, how it was run)."""
+    def shown(value: Any) -> str:
+        if isinstance(value, dict):
+            return "'" + json.dumps(value) + "'"
+        if isinstance(value, list):
+            return " ".join(shown(v) for v in value)
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    flags = [f"--{name.replace('_', '-')} {shown(getattr(args, name))}"
+             for name, default in defaults.items() if getattr(args, name) != default]
+    return " ".join([command, *flags])

@@ -24,7 +24,7 @@ from dispatcher.catalog import read_catalog
 from dispatcher.plans import Plans
 from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
-from dispatcher.tenants import Tenants
+from dispatcher.tenants import Tenant, Tenants
 from tests.dispatcher.test_scripts import Harness
 
 pytestmark = pytest.mark.anyio
@@ -69,6 +69,29 @@ class AffineHarness(Harness):
     async def stats(self) -> dict[str, int]:
         raw = await self.redis.hgetall(keys.AFFINITY_STATS)
         return {k.decode().split("\t")[1]: int(v) for k, v in raw.items()}
+
+
+def tenants_config(keys_: list[dict[str, Any]], **api: Any) -> cfg.Config:
+    """Two providers of one slot each, model m with prefix affinity, and these named keys."""
+    return cfg.parse({
+        "api": {"keys": keys_, **api},
+        "queue": {"max_queue": 1000},
+        "nodes": [{"id": "n1", "providers": [
+            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"m@{p}"]}
+            for p in "ab"]}],
+        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}, "affinity": {"mode": "prefix"}}],
+    }).config
+
+
+async def send_as(h: AffineHarness, tenant: Tenant, body: bytes) -> tuple[str, str | None]:
+    """Submit ``body`` as ``tenant`` in its band, with its blocks; (job, the provider it went to)."""
+    plans = h.calls.plans
+    job = tenant.job_id(uuid.uuid4().hex[:12])
+    result = await h.api.submit(job, plans.banded(plans.main_lane("m"), tenant.band), body, "chat/completions",
+                                False, tenant=tenant, blocks=blocks_of("chat/completions", body))
+    assert result.status in ("dispatched", "queued"), result
+    rec = await h.record(job)
+    return job, rec.provider
 
 
 async def started(redis: Redis, config: cfg.Config) -> AffineHarness:
@@ -275,29 +298,15 @@ async def test_the_catalog_shows_the_index_and_the_decisions(any_redis: Redis) -
 
 
 async def test_the_look_ahead_keeps_fifo_within_a_tenant_and_the_bands(any_redis: Redis) -> None:
-    config = cfg.parse({
-        "api": {"keys": [{"name": "t1", "key_sha256": "1" * 64, "weight": 4},
-                         {"name": "t2", "key_sha256": "2" * 64, "weight": 1},
-                         {"name": "low", "key_sha256": "3" * 64, "priority": "batch"}],
-                "priorities": ["standard", "batch"]},
-        "nodes": [{"id": "n1", "providers": [
-            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"m@{p}"]}
-            for p in "ab"]}],
-        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}, "affinity": {"mode": "prefix"}}],
-    }).config
+    config = tenants_config([{"name": "t1", "key_sha256": "1" * 64, "weight": 4},
+                             {"name": "t2", "key_sha256": "2" * 64, "weight": 1},
+                             {"name": "low", "key_sha256": "3" * 64, "priority": "batch"}],
+                            priorities=["standard", "batch"])
     h = await started(any_redis, config)
     tenants = Tenants(config)
 
     async def send(tenant: str, doc: str, question: str) -> tuple[str, str | None]:
-        t = tenants.by_name[tenant]
-        plans = h.calls.plans
-        job = t.job_id(uuid.uuid4().hex[:12])
-        body = chat(doc, question)
-        result = await h.api.submit(job, plans.banded(plans.main_lane("m"), t.band), body, "chat/completions",
-                                    False, tenant=t, blocks=blocks_of("chat/completions", body))
-        assert result.status in ("dispatched", "queued"), result
-        rec = await h.record(job)
-        return job, rec.provider
+        return await send_as(h, tenants.by_name[tenant], chat(doc, question))
 
     x, y = TENANT_DOCS["a"], TENANT_DOCS["b"]
     # Homes: x on one provider, y on the other (the emptier one takes a new head).
@@ -328,30 +337,14 @@ async def test_the_look_ahead_keeps_fifo_within_a_tenant_and_the_bands(any_redis
 
 
 async def test_weights_hold_under_saturation_with_affinity_on(any_redis: Redis) -> None:
-    config = cfg.parse({
-        "api": {"keys": [{"name": "heavy", "key_sha256": "1" * 64, "weight": 3},
-                         {"name": "light", "key_sha256": "2" * 64, "weight": 1}]},
-        "queue": {"max_queue": 1000},
-        "nodes": [{"id": "n1", "providers": [
-            {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"m@{p}"]}
-            for p in "ab"]}],
-        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}, "affinity": {"mode": "prefix"}}],
-    }).config
+    config = tenants_config([{"name": "heavy", "key_sha256": "1" * 64, "weight": 3},
+                             {"name": "light", "key_sha256": "2" * 64, "weight": 1}])
     h = await started(any_redis, config)
     tenants = Tenants(config)
     docs = [TENANT_DOCS[t] for t in "abcd"]  # four prefixes over two providers
-
-    async def send(tenant: str, i: int) -> str:
-        t = tenants.by_name[tenant]
-        job = t.job_id(uuid.uuid4().hex[:12])
-        body = chat(docs[i % 4], f"{tenant} {i}")
-        await h.api.submit(job, h.calls.plans.main_lane("m"), body, "chat/completions", False, tenant=t,
-                           blocks=blocks_of("chat/completions", body))
-        return job
-
     for i in range(40):
-        await send("heavy", i)
-        await send("light", i)
+        for name in ("heavy", "light"):
+            await send_as(h, tenants.by_name[name], chat(docs[i % 4], f"{name} {i}"))
     # Both backlogged: 40 slots as they free, one at a time, each to whoever the pump picks.
     order: list[str] = []
     for _ in range(40):
