@@ -120,7 +120,7 @@ def plan_lanes(plan_id: str) -> str:
 
 
 def affinity(model_id: str) -> str:
-    """A model group's prefix index: block hash -> the providers that served it, latest first."""
+    """A model group's prefix index: block hash -> the providers that served it, its home first."""
     return f"{PREFIX}:aff:{model_id}"
 
 

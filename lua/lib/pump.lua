@@ -50,7 +50,8 @@ local PARK_BUDGET = 256
 local BLOCKED_SKIPS = 16
 -- Waiting jobs one call drops because their deadline passed (their APIs collect them).
 local EXPIRE_BUDGET = 64
--- Providers a block of the prefix index remembers (latest first): a hot head that spilled
+-- Providers a block of the prefix index remembers (its home first, then second homes in the
+-- order they were made): a hot head that spilled
 -- keeps its second and third homes.
 local HOLDERS = 4
 
