@@ -141,6 +141,13 @@ def test_anthropic_overloaded_everywhere_is_the_providers_529(system: System, pa
     assert resp.headers["x-iop-provider"] == "pb"
     assert markers(first) == markers(last) == ["raw"]
 
+    # A 529 takes each provider out of rotation until its probe (made as soon as it runs
+    # nothing) brings it back: wait for that before each next request, or a slow machine
+    # answers 503 no_provider_available instead.
+    def both_back() -> None:
+        system.wait_available("pa", "pb")
+
+    both_back()
     # Asked for a stream: the same answer, an error status and no stream.
     resp, text = post_stream(system, body, "messages")
     assert resp.status_code == 529
@@ -148,11 +155,13 @@ def test_anthropic_overloaded_everywhere_is_the_providers_529(system: System, pa
     assert text == overloaded("req_last")["body"]
 
     claude = anthropic.Anthropic(base_url=system.api_url, api_key="unused", max_retries=0, timeout=30)
+    both_back()
     with pytest.raises(anthropic.OverloadedError) as info:
         claude.messages.create(model=PAIR, max_tokens=16, messages=MESSAGES)
     assert info.value.status_code == 529
     assert info.value.request_id == "req_last"
     assert info.value.response.headers["retry-after"] == "7"
+    both_back()
     with pytest.raises(anthropic.OverloadedError):
         claude.messages.create(model=PAIR, max_tokens=16, messages=MESSAGES, stream=True)
 
