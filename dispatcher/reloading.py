@@ -64,9 +64,9 @@ def reread(path: str | Path, running: Config) -> Config | None:
 
 
 def _log_refusal(path: str | Path, problems: list[ConfigProblem]) -> None:
-    log.error("reload: %s has %d problem(s); nothing changed", path, len(problems))
-    for problem in problems:
-        log.error("reload:   %s", problem)
+    # One record, so a reader (or a log shipper) never sees the verdict without its reasons.
+    log.error("reload: %s has %d problem(s); nothing changed%s", path, len(problems),
+              "".join(f"\nreload:   {problem}" for problem in problems))
 
 
 def describe_changes(old: Config, new: Config) -> str:

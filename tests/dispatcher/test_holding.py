@@ -146,8 +146,10 @@ class Api:
 
 @pytest.fixture
 async def server() -> AsyncIterator[RedisServer]:
-    """A Redis of this test's own: it is stopped and started again."""
-    with RedisServer(appendonly=True) as server:
+    """A Redis of this test's own: it is stopped and started again. Its AOF is fsynced on
+    every write: under ``everysec`` a busy disk lets Redis put off the write of a command it
+    has already answered (up to 2 s), and the SIGKILL right after would lose it."""
+    with RedisServer(appendonly=True, extra_args=["--appendfsync", "always"]) as server:
         yield server
 
 
