@@ -10,14 +10,13 @@ answered with its served name) -- in a Responses event's ``response`` and a Mess
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 from litestar import Response
 from litestar.response import Stream
 
-from api.metrics import RequestClock
-from api.waiting import JobWait
+from api.exchange import Exchange
 from dispatcher import events
 from dispatcher.endpoints import Endpoint
 from dispatcher.events import Chunks, Done, End, Failed, Meta, Start, Usage
@@ -43,18 +42,16 @@ def json_answer(event: Done, model_id: str) -> Response[bytes]:
                     headers={**event.headers, **meta_headers(event.meta)})
 
 
-def sse_answer(
-    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None],
-    spec: Endpoint,
-) -> Stream:
-    """The stream that relays the job's events from ``first`` on; when it ends, however it
-    ends, the request is counted, ``release`` called and the wait closed."""
+def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endpoint) -> Stream:
+    """The stream that relays the job's events from ``first`` on. It takes the exchange
+    over, and ends it when it ends, however it ends."""
+    exchange.streaming = True
     media_type = first.content_type if isinstance(first, Start) else "text/event-stream"
     headers = {**first.headers} if isinstance(first, Start) else {}
     if spec.stream != "bytes":
         headers.update(SSE_HEADERS)
     return Stream(
-        _stream(wait, first, model_id, clock, release, Framing(spec, model_id)),
+        _stream(exchange, first, Framing(spec, model_id)),
         media_type=media_type,
         status_code=first.status if isinstance(first, Start) else 200,
         headers={**headers, **(meta_headers(first.meta) if first.meta else {})},
@@ -104,10 +101,9 @@ class Framing:
         return (b"event: error\n" if kind == "typed_sse" else b"") + b"data: " + data + b"\n\n"
 
 
-async def _stream(
-    wait: JobWait, first: Start | End, model_id: str, clock: RequestClock, release: Callable[[], None],
-    framing: Framing,
-) -> AsyncIterator[bytes]:
+async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> AsyncIterator[bytes]:
+    wait, clock = exchange.wait, exchange.clock
+    assert wait is not None  # a stream follows a job's first event
     status = JobCancelled.status  # unless the stream reaches its end
     usage: Usage | None = None  # the provider's token counts, given with the end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
@@ -152,9 +148,7 @@ async def _stream(
                 yield framing.error(exc)
                 return
     finally:
-        clock.done(status, usage)
-        release()
-        wait.close()
+        exchange.end(status, usage)
 
 
 def _broken(event: events.Event, first: Start | End, seen: int) -> WorkerLost | None:

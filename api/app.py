@@ -11,6 +11,7 @@ from typing import Any
 from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
+from litestar.di import Provide
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
@@ -20,6 +21,7 @@ from api.gateway import Gateway, reload_on_hangup
 from api.openapi import document_requests
 from api.operator import OPEN_HANDLERS, operator_router
 from api.routes import healthz, readyz, v1_router
+from api.runtime import Runtime
 from dispatcher import config as cfg
 
 
@@ -39,20 +41,30 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
         finally:
             await gateway.close()
 
-    # Asks the gateway each time: a reload may change the keys.
+    # Asks the current runtime each time: a reload may change the keys.
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-        gateway.admin.check(connection.headers)
+        gateway.runtime.admin.check(connection.headers)
 
     # The socket's peer: iop/serve.py keeps uvicorn from rewriting it from X-Forwarded-For.
     async def control_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         client = connection.scope.get("client")
-        gateway.admin.check_control(connection.headers, client[0] if client else None)
+        gateway.runtime.admin.check_control(connection.headers, client[0] if client else None)
+
+    # What handlers take: the process's gateway, and the runtime of the config it runs now
+    # (read once per request: a reload swaps it, a request keeps the one it started with).
+    def provide_gateway() -> Gateway:
+        return gateway
+
+    def provide_runtime() -> Runtime:
+        return gateway.runtime
 
     app = Litestar(
         route_handlers=[v1_router(), operator_router([guard]), *control_routers([guard], [control_guard]),
                         *OPEN_HANDLERS, healthz, readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
+        dependencies={"gw": Provide(provide_gateway, sync_to_thread=False),
+                      "rt": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers=HANDLERS,  # type: ignore[arg-type]
         request_max_body_size=config.api.max_body_bytes,
         openapi_config=OpenAPIConfig(title="iop", version="0.1.0"),

@@ -2,12 +2,12 @@
 send it).
 
 Caller keys -- the named ``api.keys`` (each one a tenant) and those of
-``api.api_keys_env`` (tenant ``default``) -- guard ``/v1/*``: ``dispatcher/tenants.py``
-finds a request's tenant. Admin keys (``api.admin_keys_env``) guard the operator
-surfaces ``/catalog`` and ``/metrics`` (the ``/ui`` page itself holds no data and asks
-for a key when ``/catalog`` wants one). Without admin keys the operator surfaces take
-the caller keys; with neither, everything is open. ``/healthz`` and ``/readyz`` are
-always open.
+``api.api_keys_env`` (tenant ``default``) -- guard ``/v1/*``: :class:`CallerKeys` finds a
+request's tenant (``dispatcher/tenants.py`` holds what a tenant may do). Admin keys
+(``api.admin_keys_env``) guard the operator surfaces ``/catalog`` and ``/metrics`` (the
+``/ui`` page itself holds no data and asks for a key when ``/catalog`` wants one). Without
+admin keys the operator surfaces take the caller keys; with neither, everything is open.
+``/healthz`` and ``/readyz`` are always open.
 
 Runtime control (drain, resume: ``api/control.py``) is stricter, because it acts on the
 whole fleet: the admin keys decide, from anywhere; without them a caller key never
@@ -19,6 +19,7 @@ it needs admin keys.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -29,9 +30,70 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from dispatcher.config import ApiConfig
+from dispatcher.config import DEFAULT_TENANT, ApiConfig, Config
 from dispatcher.exceptions import AdminKeyRequired, Unauthorized
-from dispatcher.tenants import Tenants, presented_key
+from dispatcher.tenants import Tenant, Tenants
+
+log = logging.getLogger("iop.auth")
+
+MISSING_KEY = "Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)"
+
+
+class CallerKeys:
+    """The tenant a request's caller key names (and, behind a load balancer that sets it,
+    the trusted tenant header)."""
+
+    def __init__(self, config: Config, tenants: Tenants) -> None:
+        api = config.api
+        self.tenants = tenants
+        self.header = api.tenant_header.lower() if api.tenant_header else None
+        self.open = not api.api_keys_env and not api.keys
+        # sha256(key) -> tenant name. Presented keys are hashed first, so looking the digest
+        # up says nothing useful about any key through its timing.
+        self._digests: dict[bytes, str] = {}
+        for key in api.keys:
+            if key.key_sha256:
+                self._digests[bytes.fromhex(key.key_sha256)] = key.name
+            elif key.key_env:
+                value = os.environ.get(key.key_env, "").strip()
+                if value:
+                    self._digests[_digest(value.encode())] = key.name
+                else:
+                    log.warning("tenant %s has no key: environment variable %s is unset or empty", key.name,
+                                key.key_env)
+        if api.api_keys_env:
+            for value in os.environ.get(api.api_keys_env, "").split(","):
+                if value.strip():
+                    self._digests.setdefault(_digest(value.strip().encode()), DEFAULT_TENANT)
+
+    def tenant_of(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant of a request; Unauthorized without a known key."""
+        tenant = self.tenants.default if self.open else self._by_key(headers)
+        if self.header is not None and (named := headers.get(self.header)):
+            # Only behind a load balancer that sets it: the header names the tenant.
+            found = self.tenants.by_name.get(named)
+            if found is None:
+                raise Unauthorized(f"Unknown tenant {named!r} in {self.header}")
+            tenant = found
+        return tenant
+
+    def _by_key(self, headers: Mapping[str, str]) -> Tenant:
+        presented = presented_key(headers)
+        name = self._digests.get(_digest(presented)) if presented else None
+        if name is None:
+            raise Unauthorized(MISSING_KEY)
+        return self.tenants.by_name[name]
+
+
+def presented_key(headers: Mapping[str, str]) -> bytes:
+    """The key of ``Authorization: Bearer <key>``, else of ``x-api-key`` (Anthropic's clients); b"" if none."""
+    scheme, _sep, token = headers.get("authorization", "").partition(" ")
+    presented = token.strip() if scheme.lower() == "bearer" else ""
+    return (presented or headers.get("x-api-key", "").strip()).encode()
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 def load_keys(env_name: str | None) -> list[bytes] | None:
@@ -44,9 +106,9 @@ def load_keys(env_name: str | None) -> list[bytes] | None:
 class KeyGuard:
     """The operator surfaces' guard: the admin keys, or else any caller key."""
 
-    def __init__(self, keys: list[bytes] | None, tenants: Tenants | None = None) -> None:
+    def __init__(self, keys: list[bytes] | None, callers: CallerKeys | None = None) -> None:
         self.keys = keys
-        self.tenants = tenants
+        self.callers = callers
 
     # Async on purpose: Litestar runs a sync guard in a worker thread, which cost a fifth
     # of the API's CPU per request.
@@ -55,8 +117,8 @@ class KeyGuard:
 
     def check(self, headers: Mapping[str, str]) -> None:
         if self.keys is None:
-            if self.tenants is not None:
-                self.tenants.of(headers)
+            if self.callers is not None:
+                self.callers.tenant_of(headers)
             return
         presented = presented_key(headers)
         # Compare against every key, whatever matches, so timing says nothing about which.
@@ -64,7 +126,7 @@ class KeyGuard:
         for key in self.keys:
             ok |= hmac.compare_digest(presented, key)
         if not ok or not presented:
-            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
+            raise Unauthorized(MISSING_KEY)
 
     def check_control(self, headers: Mapping[str, str], peer: str | None) -> None:
         """Runtime control (``api/control.py``): as :meth:`check`, but never on a caller key --
@@ -73,7 +135,7 @@ class KeyGuard:
         self.check(headers)
         if self.keys is not None:
             return
-        if self.tenants is not None and not self.tenants.open:
+        if self.callers is not None and not self.callers.open:
             raise AdminKeyRequired(
                 "Draining and resuming providers needs an admin key, and a caller key never is one: "
                 "set api.admin_keys_env to an environment variable holding comma-separated admin keys"
@@ -87,8 +149,8 @@ class KeyGuard:
             )
 
 
-def admin_guard(admin_keys_env: str | None, tenants: Tenants) -> KeyGuard:
-    return KeyGuard(load_keys(admin_keys_env)) if admin_keys_env else KeyGuard(None, tenants)
+def admin_guard(admin_keys_env: str | None, callers: CallerKeys) -> KeyGuard:
+    return KeyGuard(load_keys(admin_keys_env)) if admin_keys_env else KeyGuard(None, callers)
 
 
 def is_loopback(host: str | None) -> bool:

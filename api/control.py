@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 from litestar import Response, Router, get, post
-from litestar.datastructures import State
+from litestar.di import NamedDependency
 from litestar.params import FromPath
 from redis.exceptions import RedisError
 
@@ -34,10 +34,9 @@ from dispatcher.control import Control, DrainState
 from dispatcher.exceptions import RedisUnavailable
 
 
-def _control(state: State) -> Control:
-    gw: Gateway = state.gateway
-    # Built per call from what the gateway holds now: a config reload may swap its calls.
-    return Control(gw.jobs.calls, gw.redis)
+def _control(gw: NamedDependency[Gateway]) -> Control:
+    # Built per call from the current runtime: a config reload may swap its calls.
+    return Control(gw.runtime.calls, gw.redis)
 
 
 async def _answer(action: Callable[[str], Awaitable[DrainState]], provider_id: str) -> Response[bytes]:
@@ -50,19 +49,19 @@ async def _answer(action: Callable[[str], Awaitable[DrainState]], provider_id: s
 
 @post("/admin/providers/{provider_id:str}/drain", status_code=200,
       summary="Stop new dispatch to a provider, fleet-wide; its running jobs finish")
-async def drain(state: State, provider_id: FromPath[str]) -> Response[bytes]:
-    return await _answer(_control(state).drain, provider_id)
+async def drain(gw: NamedDependency[Gateway], provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(gw).drain, provider_id)
 
 
 @post("/admin/providers/{provider_id:str}/resume", status_code=200,
       summary="Let a drained provider take jobs again; waiting ones get its free slots at once")
-async def resume(state: State, provider_id: FromPath[str]) -> Response[bytes]:
-    return await _answer(_control(state).resume, provider_id)
+async def resume(gw: NamedDependency[Gateway], provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(gw).resume, provider_id)
 
 
 @get("/admin/providers/{provider_id:str}", summary="A provider's drain state and running jobs")
-async def provider_state(state: State, provider_id: FromPath[str]) -> Response[bytes]:
-    return await _answer(_control(state).state, provider_id)
+async def provider_state(gw: NamedDependency[Gateway], provider_id: FromPath[str]) -> Response[bytes]:
+    return await _answer(_control(gw).state, provider_id)
 
 
 def control_routers(read_guards: list[Any], write_guards: list[Any]) -> list[Router]:

@@ -1,5 +1,7 @@
-"""Everything one API process holds: config, Redis client, scripts, its reply reader,
-and the background loops that keep it registered and Redis tidy."""
+"""Everything one API process holds: its Redis clients and scripts, its reply reader, its
+metrics and stream slots, the background loops that keep it registered and Redis tidy --
+and one reference to the :class:`api.runtime.Runtime` of its current config, which a
+reload (``SIGHUP``) replaces."""
 
 from __future__ import annotations
 
@@ -16,20 +18,16 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from api.auth import admin_guard
 from api.metrics import RequestMetrics
+from api.runtime import Runtime
 from api.stream_slots import StreamSlots
 from api.waiting import ReplyReader
 from dispatcher import keys, tracing
-from dispatcher.api_side import ApiSide
 from dispatcher.config import Config
-from dispatcher.plans import Plans
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.reloading import describe_changes, reread
-from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
-from dispatcher.tenants import Tenants
 
 log = logging.getLogger("iop.api")
 
@@ -46,10 +44,8 @@ class Gateway:
         self.replies = ReplyReader(self.clients.blocking, keys.reply(self.replica_id))
         self.metrics = RequestMetrics()
         self.streams = StreamSlots(config.api.max_streams)
-        calls = ScriptCalls(self.scripts, config, Plans(config))
-        self.jobs = ApiSide(calls, self.redis, self.replica_id)
-        self.reaper = Reaper(calls, self.redis, self.replica_id)
-        self._apply(config, calls)
+        self.runtime = Runtime.build(config, self.scripts, self.redis, self.replica_id)
+        self.reaper = Reaper(self.runtime.calls, self.redis, self.replica_id)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Job ids: a random prefix per process and a counter, unique without a syscall each.
         self._job_prefix = secrets.token_hex(8)
@@ -57,18 +53,15 @@ class Gateway:
         self._loops: list[asyncio.Task[None]] = []
         self._closing = False
 
-    def _apply(self, config: Config, calls: ScriptCalls | None = None) -> None:
-        """Everything derived from the config, replaced attribute by attribute: a request
-        in flight keeps what it already read (its model, its lane) and finishes with it."""
-        calls = calls or ScriptCalls(self.scripts, config, Plans(config))
-        self.plans = calls.plans
-        self.jobs.calls = calls
-        self.reaper.use(calls)
-        self.models = {m.id: m for m in config.models}
-        self.tenants = Tenants(config)
-        self.admin = admin_guard(config.api.admin_keys_env, self.tenants)
-        self.streams.limit = config.api.max_streams
-        self.config = config
+    @property
+    def config(self) -> Config:
+        return self.runtime.config
+
+    def _use(self, runtime: Runtime) -> None:
+        """Switch to ``runtime``: a request in flight keeps the one it started with."""
+        self.runtime = runtime
+        self.reaper.use(runtime.calls)
+        self.streams.limit = runtime.config.api.max_streams
 
     async def reload(self) -> bool:
         """Read the config file again and switch to it (``dispatcher/reloading.py``); False
@@ -80,8 +73,8 @@ class Gateway:
         if new is None:
             return False
         before = self.config
-        self._apply(new)
-        if self.tenants.flow_control:
+        self._use(Runtime.build(new, self.scripts, self.redis, self.replica_id))
+        if self.runtime.tenants.flow_control:
             try:
                 await self.publish_limits()
             except RedisError as exc:
@@ -94,7 +87,7 @@ class Gateway:
 
     async def publish_limits(self) -> None:
         """The tenants' max_in_flight, where dispatch reads them (``lua/lib/pump.lua``)."""
-        limits = self.tenants.limits()
+        limits = self.runtime.tenants.limits()
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys.TENANT_LIMITS)
             if limits:
@@ -112,8 +105,8 @@ class Gateway:
             for warning in await server_warnings(self.redis):
                 log.warning("%s", warning)
             await self.scripts.load()
-            await self.jobs.heartbeat()
-            if self.tenants.flow_control:
+            await self.runtime.jobs.heartbeat()
+            if self.runtime.tenants.flow_control:
                 await self.publish_limits()
         except RedisError as exc:
             # Not fatal: /readyz says so, and requests answer 503 until Redis is back.
@@ -144,7 +137,7 @@ class Gateway:
         try:
             # A keyed script write through the request path's client: PING and SCRIPT EXISTS
             # also succeed on a cluster node that does not serve {iop}, or on a replica.
-            await self.jobs.heartbeat()
+            await self.runtime.jobs.heartbeat()
             if not await self.scripts.loaded():
                 await self.scripts.load()
         except RedisError as exc:
@@ -155,7 +148,7 @@ class Gateway:
         period = self.config.dispatch.replica_ttl_ms / 5000
         while not self._closing:
             try:
-                await self.jobs.heartbeat()
+                await self.runtime.jobs.heartbeat()
             except RedisError as exc:
                 log.warning("replica heartbeat failed: %s", exc)
             await asyncio.sleep(period)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from litestar import Request
 
 from api.ratelimits import limits_for
+from api.runtime import Runtime
 from dispatcher import wire
 from dispatcher.affinity import blocks_of, session_block, session_of
 from dispatcher.config import ModelConfig
@@ -39,9 +40,6 @@ from dispatcher.jsonbody import read_request
 from dispatcher.multipart import fields
 from dispatcher.plans import Lane
 from dispatcher.tenants import Tenant
-
-if TYPE_CHECKING:
-    from api.gateway import Gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,23 +79,23 @@ def _deadline(headers: Mapping[str, str]) -> int:
     return value
 
 
-def fallbacks(request: Request[Any, Any, Any], gw: Gateway, intake: Intake) -> Iterator[Intake]:
+def fallbacks(request: Request[Any, Any, Any], rt: Runtime, intake: Intake) -> Iterator[Intake]:
     """The request as each of its model's fallbacks would take it, in order: those its tenant
     may call that serve its endpoint (a request on a stored Response has none)."""
     if intake.pinned:
         return
     for fb_id in intake.model.fallbacks:
-        model = gw.models.get(fb_id)
-        found = gw.plans.lane_for(fb_id, intake.endpoint) if model is not None else None
+        model = rt.models.get(fb_id)
+        found = rt.plans.lane_for(fb_id, intake.endpoint) if model is not None else None
         if model is None or found is None or not intake.tenant.allows(fb_id):
             continue
         blocks = (affinity_blocks(model, intake.endpoint, intake.body, request.headers) if intake.blocks else ())
-        yield replace(intake, model=model, lane=_in_band(request, gw, intake.tenant, found), blocks=blocks,
+        yield replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found), blocks=blocks,
                       fell_back_from=intake.model.id)
 
 
-def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
-    model = gw.models.get(model_id)
+def _allowed(rt: Runtime, tenant: Tenant, model_id: str) -> ModelConfig:
+    model = rt.models.get(model_id)
     if model is None:
         raise ModelNotFound(model_id)
     if not tenant.allows(model_id):
@@ -105,27 +103,27 @@ def _allowed(gw: Gateway, tenant: Tenant, model_id: str) -> ModelConfig:
     return model
 
 
-def _in_band(request: Request[Any, Any, Any], gw: Gateway, tenant: Tenant, lane: Lane) -> Lane:
-    if len(gw.plans.bands) == 1:
+def _in_band(request: Request[Any, Any, Any], rt: Runtime, tenant: Tenant, lane: Lane) -> Lane:
+    if len(rt.plans.bands) == 1:
         return lane
-    band = gw.tenants.band_for(tenant, request.headers)
-    return lane if band == lane.band else gw.plans.banded(lane, band)
+    band = rt.tenants.band_for(tenant, request.headers)
+    return lane if band == lane.band else rt.plans.banded(lane, band)
 
 
-async def read_body(request: Request[Any, Any, Any], gw: Gateway) -> bytes:
+async def read_body(request: Request[Any, Any, Any], rt: Runtime) -> bytes:
     try:
-        async with asyncio.timeout(gw.config.api.body_timeout_s):
+        async with asyncio.timeout(rt.config.api.body_timeout_s):
             return await request.body()
     except TimeoutError:
         raise RequestTimeout("The request body did not arrive in time") from None
 
 
 async def take(
-    request: Request[Any, Any, Any], gw: Gateway, endpoint: str, tenant: Tenant, traceparent: str = ""
+    request: Request[Any, Any, Any], rt: Runtime, endpoint: str, tenant: Tenant, traceparent: str = ""
 ) -> Intake:
     """A POST whose body names its model. ``traceparent``: of the request's span, for the
     worker's (dispatcher/tracing.py)."""
-    body = await read_body(request, gw)
+    body = await read_body(request, rt)
     spec = ENDPOINTS[endpoint]
     content_type = request.headers.get("content-type", JSON)
     previous = None
@@ -139,49 +137,49 @@ async def take(
     else:
         content_type = JSON
         model_id, stream, previous = read_request(body)
-    model = _allowed(gw, tenant, model_id)
+    model = _allowed(rt, tenant, model_id)
     stream = spec.always_streams or (stream and spec.can_stream)
     headers = forwarded(request) if spec.forwards else {}
     stored = wrap(RequestEnvelope(body, content_type=content_type, headers=headers, traceparent=traceparent))
     if previous is not None and endpoint == RESPONSES:
-        provider = await _maker(gw, previous, "previous_response_id")
-        lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, provider, previous))
+        provider = await _maker(rt, previous, "previous_response_id")
+        lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, provider, previous))
         return Intake(model, endpoint, stream, lane, True, stored, tenant,
                       limits=limits_for(tenant, body, True), deadline_ms=_deadline(request.headers))
     asked = None
-    found = gw.plans.lane_for(model.id, endpoint)
+    found = rt.plans.lane_for(model.id, endpoint)
     if found is None:
         # A fallback that serves it (its tenant may call) takes it, else it is refused.
         for fb_id in model.fallbacks:
-            fb = gw.models.get(fb_id)
-            if fb is not None and tenant.allows(fb_id) and (found := gw.plans.lane_for(fb_id, endpoint)) is not None:
+            fb = rt.models.get(fb_id)
+            if fb is not None and tenant.allows(fb_id) and (found := rt.plans.lane_for(fb_id, endpoint)) is not None:
                 asked, model = model.id, fb
                 break
         else:
             raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
-    return Intake(model, endpoint, stream, _in_band(request, gw, tenant, found), False, stored, tenant,
+    return Intake(model, endpoint, stream, _in_band(request, rt, tenant, found), False, stored, tenant,
                   affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else (),
                   limits_for(tenant, body, content_type == JSON), _deadline(request.headers), body, asked)
 
 
 async def take_stored(
-    request: Request[Any, Any, Any], gw: Gateway, response_id: str, rest: str, tenant: Tenant, traceparent: str = ""
+    request: Request[Any, Any, Any], rt: Runtime, response_id: str, rest: str, tenant: Tenant, traceparent: str = ""
 ) -> Intake:
     """A call on a stored Response (``GET/DELETE /v1/responses/{id}``, ``.../cancel``,
     ``.../input_items``): to the provider that made it, for the model it was made with."""
-    body = await read_body(request, gw)
-    stored = await gw.jobs.stored_response(response_id)
+    body = await read_body(request, rt)
+    stored = await rt.jobs.stored_response(response_id)
     if stored is None:
         raise ResponseNotFound(f"No response with id '{response_id}' is known to iop (never stored, or forgotten)")
-    if stored.model not in gw.models:
+    if stored.model not in rt.models:
         raise ResponseProviderGone(f"Response '{response_id}' was made for model '{stored.model}', "
                                    "which this gateway no longer serves")
-    model = _allowed(gw, tenant, stored.model)
+    model = _allowed(rt, tenant, stored.model)
     path = f"{RESPONSES}/{response_id}{rest}"
     if request.url.query:
         path += f"?{request.url.query}"
     envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request), traceparent)
-    lane = _in_band(request, gw, tenant, _pinned_lane(gw, model, stored.provider, response_id))
+    lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, stored.provider, response_id))
     return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant,
                   limits=limits_for(tenant, body, False, generates=False))
 
@@ -208,15 +206,15 @@ def forwarded(request: Request[Any, Any, Any]) -> dict[str, str]:
     return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
 
 
-async def _maker(gw: Gateway, response_id: str, param: str) -> str:
-    stored = await gw.jobs.stored_response(response_id)
+async def _maker(rt: Runtime, response_id: str, param: str) -> str:
+    stored = await rt.jobs.stored_response(response_id)
     if stored is None:
         raise ResponseNotFound(f"Previous response with id '{response_id}' not found.", param=param)
     return stored.provider
 
 
-def _pinned_lane(gw: Gateway, model: ModelConfig, provider: str, response_id: str) -> Lane:
-    lane = gw.plans.pinned_lane(model.id, provider)
+def _pinned_lane(rt: Runtime, model: ModelConfig, provider: str, response_id: str) -> Lane:
+    lane = rt.plans.pinned_lane(model.id, provider)
     if lane is None:
         raise ResponseProviderGone(f"Response '{response_id}' lives on provider '{provider}', which no longer "
                                    f"serves '{model.id}' here; start a new conversation")

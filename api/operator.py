@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 from litestar import Response, Router, get
-from litestar.datastructures import State
+from litestar.di import NamedDependency
 from redis.exceptions import RedisError
 
 from api.gateway import Gateway
@@ -20,14 +20,8 @@ from dispatcher.exceptions import RedisUnavailable
 _UI = (Path(__file__).resolve().parent / "ui.html").read_bytes()
 
 
-def _gw(state: State) -> Gateway:
-    gw: Gateway = state.gateway
-    return gw
-
-
 @get("/catalog", summary="Providers, their health and load, the model groups and the tenants (read-only)")
-async def catalog(state: State) -> Response[bytes]:
-    gw = _gw(state)
+async def catalog(gw: NamedDependency[Gateway]) -> Response[bytes]:
     try:
         doc = await read_catalog(gw.redis, gw.config)
     except RedisError as exc:
@@ -36,8 +30,7 @@ async def catalog(state: State) -> Response[bytes]:
 
 
 @get("/metrics", summary="Prometheus metrics")
-async def metrics(state: State) -> Response[bytes]:
-    gw = _gw(state)
+async def metrics(gw: NamedDependency[Gateway]) -> Response[bytes]:
     try:
         doc = await read_catalog(gw.redis, gw.config)
     except RedisError:

@@ -15,22 +15,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from litestar import Request
 from redis.exceptions import RedisError, ResponseError
 
-from dispatcher import events, keys
+from dispatcher import events
 from dispatcher.backoff import Backoff
 from dispatcher.events import Chunks, Done, End, Failed, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
 from dispatcher.fastredis import FastRedis
 from dispatcher.holding import held
 from dispatcher.redis_conn import BLOCK_MS, blocking_timeout
-from dispatcher.script_calls import CancelOutcome, CancelReason, SubmitStatus, Submitted
-
-if TYPE_CHECKING:  # the gateway holds the reply reader defined here
-    from api.gateway import Gateway
+from dispatcher.script_calls import Cancelled, CancelOutcome, CancelReason, SubmitStatus, Submitted
 
 log = logging.getLogger("iop.api.replies")
 
@@ -42,15 +41,41 @@ class ClientGone(Exception):
     """The caller closed its connection while waiting."""
 
 
+class JobCalls(Protocol):
+    """What a wait asks of Redis (``dispatcher/api_side.py`` ApiSide)."""
+
+    async def cancel(self, job_id: str, queue_key: str, reason: CancelReason) -> Cancelled: ...
+
+    async def states(self, job_ids: list[str]) -> list[bytes | None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WaitRules:
+    """The timings a wait keeps, from the config its request started with."""
+
+    # No event for this long: the watchdog looks for the job (a lease period).
+    watch_s: float
+    # A queue deadline that passes while Redis is away is decided within this (failover_hold_ms).
+    hold_s: float
+    # How long a job of a model waits in its queue again when its worker was lost.
+    queue_timeout_ms: Callable[[str], int]
+
+
 class JobWait:
     """The API's side of one job: its events, its queue deadline, and a watchdog."""
 
-    def __init__(self, gw: Gateway, job_id: str, model_id: str, queue_key: str | None = None) -> None:
-        self.gw = gw
+    def __init__(
+        self, job_id: str, model_id: str, queue_key: str, *, replies: ReplyReader, jobs: JobCalls, rules: WaitRules,
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    ) -> None:
         self.job_id = job_id
         self.model_id = model_id
-        self.queue_key = queue_key or keys.queue(model_id)  # of the job's lane
-        self.waiter = gw.replies.register(job_id)
+        self.queue_key = queue_key  # of the job's lane
+        self.replies = replies
+        self.jobs = jobs
+        self.rules = rules
+        self.spawn = spawn
+        self.waiter = replies.register(job_id)
         # True once Redis holds nothing more of this job that the API must clean up.
         self.settled = False
         self._queued_until: float | None = None
@@ -64,14 +89,8 @@ class JobWait:
         if submitted.status == SubmitStatus.QUEUED:
             self._queued_until = _now() + submitted.wait_ms / 1000
 
-    def _queue_timeout_ms(self) -> int:
-        config = self.gw.config
-        model = self.gw.models.get(self.model_id)
-        # A reload may have removed the model: its waiting jobs still time out.
-        return config.queue_timeout_ms(model) if model is not None else config.queue.queue_timeout_ms
-
     async def next_event(self) -> Start | Chunks | End | Done | Failed:
-        watch = self.gw.config.dispatch.lease_ms / 1000
+        watch = self.rules.watch_s
         while True:
             timeout = watch if self._queued_until is None else max(self._queued_until - _now(), 0.0)
             event = await self.waiter.next(wait_s=timeout)
@@ -82,7 +101,7 @@ class JobWait:
                     raise WorkerLost("The worker's stream was lost in a Redis failover")
                 # Its worker was lost before any output: it waits in its queue again, with a
                 # fresh deadline (lua/lib/jobs.lua settle_lost).
-                self._queued_until = _now() + self._queue_timeout_ms() / 1000
+                self._queued_until = _now() + self.rules.queue_timeout_ms(self.model_id) / 1000
                 continue
             if event is not None:
                 self._queued_until = None  # dispatched: the queue deadline no longer applies
@@ -100,7 +119,7 @@ class JobWait:
                 # the watchdog tolerates an outage of two lease periods before giving up.
                 if self._queued_until is not None:
                     raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
-                if self._redis_down_since is None or self.gw.replies.last_read_at > self._redis_down_since:
+                if self._redis_down_since is None or self.replies.last_read_at > self._redis_down_since:
                     # Redis was back in between (the reader read): a new outage starts now.
                     self._redis_down_since = _now()
                 elif _now() - self._redis_down_since > 2 * watch:
@@ -109,8 +128,8 @@ class JobWait:
     async def _deadline_passed(self) -> None:
         # Held like the submit: a deadline that passes during a failover or a restart is
         # decided once Redis is back (it may have been dispatched meanwhile), not answered 503.
-        result = await held(lambda: self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT),
-                            self.gw.config.redis.failover_hold_ms / 1000)
+        result = await held(lambda: self.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT),
+                            self.rules.hold_s)
         if result.outcome in (CancelOutcome.REMOVED, CancelOutcome.EXPIRED):
             self.settled = True
             raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
@@ -122,7 +141,7 @@ class JobWait:
 
     async def _watchdog(self) -> None:
         """No event for a lease period: make sure the job still exists somewhere."""
-        (raw,) = await self.gw.jobs.states([self.job_id])
+        (raw,) = await self.jobs.states([self.job_id])
         if raw is not None:
             self._gone_at_read = None
             record = events.decode_record(raw)
@@ -130,7 +149,7 @@ class JobWait:
                 # Its worker was lost and it went back to its queue.
                 self._queued_until = _now()
             return
-        reads = self.gw.replies.reads
+        reads = self.replies.reads
         if self._gone_at_read is None:
             self._gone_at_read = reads
         elif reads >= self._gone_at_read + 2:
@@ -143,9 +162,9 @@ class JobWait:
     def close(self) -> None:
         """The request is answered (or failed): stop listening, and stop the job unless it
         is over -- in the background, so the answer does not wait for Redis."""
-        self.gw.replies.unregister(self.job_id)
+        self.replies.unregister(self.job_id)
         if not self.settled:
-            self.gw.spawn(self.cancel())
+            self.spawn(self.cancel())
 
     async def cancel(self) -> None:
         """The caller went away (or we failed): stop the job wherever it is.
@@ -157,8 +176,8 @@ class JobWait:
         self.settled = True
         # Given up after two leases: its lease, or the reaper's orphan sweep, ends it then.
         with contextlib.suppress(RedisError):
-            await held(lambda: self.gw.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT),
-                       2 * self.gw.config.dispatch.lease_ms / 1000)
+            await held(lambda: self.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT),
+                       2 * self.rules.watch_s)
 
 
 class HangUpWatch:

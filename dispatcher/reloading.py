@@ -4,9 +4,10 @@
 invalid (every problem logged with its path; the process keeps what it runs). Sections a
 running process cannot change -- its Redis, the dispatch timings its leases and loops
 were started with, the HTTP limits its server was built with -- keep their running
-values, with a warning naming each one. Turning flow control on or off changes how
-waiting jobs are ordered in Redis, which every process must agree on: such a file is
-refused as a whole.
+values, with a warning naming each one: those marked ``RESTART`` in
+:mod:`dispatcher.config.schema` (:func:`dispatcher.config.field_rules.restart_paths`).
+Turning flow control on or off changes how waiting jobs are ordered in Redis, which every
+process must agree on: such a file is refused as a whole.
 """
 
 from __future__ import annotations
@@ -18,29 +19,36 @@ from typing import Any
 import msgspec
 
 from dispatcher.config import Config, ProviderConfig, load
+from dispatcher.config.field_rules import restart_paths
 from dispatcher.exceptions import ConfigError, ConfigProblem
 from dispatcher.tenants import flow_control
 
 log = logging.getLogger("iop.config")
 
-# Fields of ``api`` the HTTP server and the app were built with.
-_API_FIXED = ("max_body_bytes", "max_header_bytes", "header_timeout_s")
-# Whole sections fixed at start-up (tracing: dispatcher/tracing.py sets up once per process).
-_FIXED_SECTIONS = ("redis", "dispatch", "tracing")
-
-
 def fixed_changes(running: Config, new: Config) -> list[str]:
     """``$.path``s that differ but only take effect at a restart."""
-    changed = [f"$.{name}" for name in _FIXED_SECTIONS if getattr(running, name) != getattr(new, name)]
-    changed += [f"$.api.{name}" for name in _API_FIXED if getattr(running.api, name) != getattr(new.api, name)]
-    return changed
+    return ["$." + ".".join(path) for path in restart_paths(Config) if _at(running, path) != _at(new, path)]
 
 
 def keep_fixed(running: Config, new: Config) -> Config:
     """``new`` with the running values of what cannot change without a restart."""
-    api = msgspec.structs.replace(new.api, **{name: getattr(running.api, name) for name in _API_FIXED})
-    fixed: dict[str, Any] = {name: getattr(running, name) for name in _FIXED_SECTIONS}
-    return msgspec.structs.replace(new, api=api, **fixed)
+    for path in restart_paths(Config):
+        new = _replaced(new, path, _at(running, path))
+    return new
+
+
+def _at(config: Config, path: tuple[str, ...]) -> Any:
+    value: Any = config
+    for name in path:
+        value = getattr(value, name)
+    return value
+
+
+def _replaced(struct: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``struct`` with the field at ``path`` (attribute names, nested) set to ``value``."""
+    name, *rest = path
+    inner = _replaced(getattr(struct, name), tuple(rest), value) if rest else value
+    return msgspec.structs.replace(struct, **{name: inner})
 
 
 def reread(path: str | Path, running: Config) -> Config | None:

@@ -10,17 +10,12 @@ Otherwise dispatch is the plain FIFO it always was, at the same cost.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from dispatcher.config import DEFAULT_TENANT, Config, KeyLimits
-from dispatcher.exceptions import InvalidRequest, Unauthorized
-
-log = logging.getLogger("iop.tenants")
+from dispatcher.exceptions import InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +48,16 @@ def flow_control(config: Config) -> bool:
 
 
 class Tenants:
-    """The tenants of a config, and the one a request's headers name."""
+    """The tenants of a config: their bands, weights, allow-lists and limits. Which one a
+    request is -- its caller key, or a trusted tenant header -- is ``api/auth.py``'s."""
 
     def __init__(self, config: Config) -> None:
         api = config.api
         self.bands = bands(config)
         self.default_band = self.bands.index(api.default_priority) if api.default_priority in self.bands else 0
         self.flow_control = flow_control(config)
-        self.header = api.tenant_header.lower() if api.tenant_header else None
         self.default = Tenant(DEFAULT_TENANT, self.default_band)
         self.by_name: dict[str, Tenant] = {DEFAULT_TENANT: self.default}
-        # sha256(key) -> tenant name. Presented keys are hashed first, so looking the digest
-        # up says nothing useful about any key through its timing.
-        self._digests: dict[bytes, str] = {}
         for key in api.keys:
             self.by_name[key.name] = Tenant(
                 key.name,
@@ -77,31 +69,6 @@ class Tenants:
                 key.limits if key.limits and (key.limits.requests_per_minute or key.limits.tokens_per_minute
                                               or key.limits.tokens_per_day) else None,
             )
-            if key.key_sha256:
-                self._digests[bytes.fromhex(key.key_sha256)] = key.name
-            elif key.key_env:
-                value = os.environ.get(key.key_env, "").strip()
-                if value:
-                    self._digests[_digest(value.encode())] = key.name
-                else:
-                    log.warning("tenant %s has no key: environment variable %s is unset or empty", key.name,
-                                key.key_env)
-        if api.api_keys_env:
-            for value in os.environ.get(api.api_keys_env, "").split(","):
-                if value.strip():
-                    self._digests.setdefault(_digest(value.strip().encode()), DEFAULT_TENANT)
-        self.open = not api.api_keys_env and not api.keys
-
-    def of(self, headers: Mapping[str, str]) -> Tenant:
-        """The tenant of a request; Unauthorized without a known key."""
-        tenant = self.default if self.open else self._by_key(headers)
-        if self.header is not None and (named := headers.get(self.header)):
-            # Only behind a load balancer that sets it: the header names the tenant.
-            found = self.by_name.get(named)
-            if found is None:
-                raise Unauthorized(f"Unknown tenant {named!r} in {self.header}")
-            tenant = found
-        return tenant
 
     def band_for(self, tenant: Tenant, headers: Mapping[str, str]) -> int:
         """The band of a request: its tenant's, or a lower one it asks for (x-iop-priority)."""
@@ -115,21 +82,3 @@ class Tenants:
     def limits(self) -> dict[str, int]:
         """Tenant -> max_in_flight, as dispatch reads them from Redis."""
         return {t.name: t.max_in_flight for t in self.by_name.values() if t.max_in_flight}
-
-    def _by_key(self, headers: Mapping[str, str]) -> Tenant:
-        presented = presented_key(headers)
-        name = self._digests.get(_digest(presented)) if presented else None
-        if name is None:
-            raise Unauthorized("Incorrect or missing API key (Authorization: Bearer <key>, or x-api-key)")
-        return self.by_name[name]
-
-
-def presented_key(headers: Mapping[str, str]) -> bytes:
-    """The key of ``Authorization: Bearer <key>``, else of ``x-api-key`` (Anthropic's clients); b"" if none."""
-    scheme, _sep, token = headers.get("authorization", "").partition(" ")
-    presented = token.strip() if scheme.lower() == "bearer" else ""
-    return (presented or headers.get("x-api-key", "").strip()).encode()
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from dispatcher.config import legacy
+from dispatcher.config import field_rules, legacy
 from dispatcher.config.decode_errors import problem_from_validation
 from dispatcher.config.schema import Config
 from dispatcher.config.validation import secrets_in_file
@@ -46,21 +46,26 @@ def parse(data: Any) -> Loaded:
     The document may be in the pool shape, the legacy route shape or a mix: legacy entries are
     converted to the pool shape before validation, so the rules are written once, and problems
     found in them are reported at their legacy paths.
+
+    Every value out of its field's range is reported, and dropped before decoding (which would
+    stop at the first), so that the rest is still decoded and cross-checked: one pass lists
+    all of a file's problems.
     """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("$", "the config must be a mapping")])
     core, parts, problems = legacy.split(data)
+    core, out_of_range = field_rules.out_of_range(core, Config)
     try:
         config = msgspec.convert(core, type=Config)
     except msgspec.ValidationError as exc:
         problems.insert(0, problem_from_validation(exc, Config))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError([*out_of_range, *problems])
     conversion = legacy.convert(config, parts)
-    if conversion.problems:
-        raise ConfigError(conversion.problems)
+    if out_of_range or conversion.problems:
+        raise ConfigError([*out_of_range, *conversion.problems])
     return Loaded(_normalised(conversion.config), [*conversion.warnings, *secrets_in_file(conversion.config)])
 
 

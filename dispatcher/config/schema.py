@@ -2,6 +2,12 @@
 
 Decoding a document into :class:`Config` catches wrong types and misspelt fields, each with
 its ``$.path``; what needs more than one field to judge is :mod:`dispatcher.config.validation`'s.
+
+A setting is declared once, here: its type, its default, its range (``POSITIVE``,
+``NON_NEGATIVE``, any ``msgspec.Meta`` bounds) and, when a reload cannot apply it, ``RESTART``.
+The range checks (every value out of range reported at once) and the restart-only set of
+:mod:`dispatcher.reloading` are derived from these annotations (:mod:`dispatcher.config.field_rules`).
+A default must be in its range.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from dispatcher.config.field_rules import NON_NEGATIVE, POSITIVE, RESTART, hint
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 
 PROVIDER_TYPES = ("vllm", "sglang", "lemonade", "ollama", "llamacpp", "openai_api", "cli")
@@ -57,7 +64,7 @@ class RedisConfig(_Base, frozen=True):
     sentinel: SentinelConfig | None = None
     # While Redis is unreachable (a failover, a restart), a new request waits this long for
     # it before it is answered 503 redis_unavailable; 0 answers at once.
-    failover_hold_ms: int = 5_000
+    failover_hold_ms: Annotated[int, NON_NEGATIVE, hint("0: no holding")] = 5_000
 
 
 DEFAULT_TENANT = "default"
@@ -88,13 +95,13 @@ class KeyConfig(_Base, frozen=True):
     # A band of api.priorities (unset: api.default_priority).
     priority: str | None = None
     # Share of slots within its band, relative to the other tenants there.
-    weight: float = 1.0
+    weight: Annotated[float, POSITIVE] = 1.0
     # Model ids it may call (globs); unset = all.
     models: list[str] | None = None
     # Across the fleet: waiting at once (beyond, 429 tenant_queue_full), running at once
     # (beyond, its requests wait without holding anyone else up).
-    max_queued: int | None = None
-    max_in_flight: int | None = None
+    max_queued: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1)] | None = None
     limits: KeyLimits | None = None
 
 
@@ -110,23 +117,24 @@ class ApiConfig(_Base, frozen=True):
     tenant_header: str | None = None
     # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
     admin_keys_env: str | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
+    # The HTTP server is built with the first three: a reload keeps them until a restart.
+    max_body_bytes: Annotated[int, POSITIVE, RESTART] = 16 * 1024 * 1024
     # Request line and headers together; beyond, 431.
-    max_header_bytes: int = 16 * 1024
+    max_header_bytes: Annotated[int, POSITIVE, RESTART] = 16 * 1024
     # A client must send its headers, and then its body, within these.
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
+    header_timeout_s: Annotated[float, POSITIVE, RESTART] = 10.0
+    body_timeout_s: Annotated[float, POSITIVE] = 30.0
     # Streamed answers one API process relays at once; beyond, 503 server_overloaded.
-    max_streams: int = 4096
+    max_streams: Annotated[int, POSITIVE] = 4096
 
 
 class QueueConfig(_Base, frozen=True):
-    max_queue: int = 100
-    queue_timeout_ms: int = 30_000
+    max_queue: Annotated[int, NON_NEGATIVE] = 100
+    queue_timeout_ms: Annotated[int, POSITIVE] = 30_000
     # 0: a request none of whose providers can take work is answered 503
     # no_provider_available at once (and so are waiting ones when the last goes down); N:
     # it waits up to N ms for one to come back (a provider restarting) before that answer.
-    hold_when_unavailable_ms: int = 0
+    hold_when_unavailable_ms: Annotated[int, NON_NEGATIVE] = 0
     # Load shedding: a request that would wait is refused at once (503 deadline_unmeetable)
     # when its place in the queue and the queue's recent drain rate predict a longer wait
     # than this one time in twenty. Unset: only a caller's x-iop-deadline-ms asks for that.
@@ -141,26 +149,26 @@ class DispatchConfig(_Base, frozen=True):
     """Timings of the dispatch machinery (leases, heartbeats, reaper)."""
 
     # A running job's slot is held by a lease the worker renews every third of it.
-    lease_ms: int = 15_000
+    lease_ms: Annotated[int, POSITIVE] = 15_000
     # A provider whose last heartbeat is older than this is not chosen.
-    heartbeat_ttl_ms: int = 10_000
-    heartbeat_interval_ms: int = 2_000
+    heartbeat_ttl_ms: Annotated[int, POSITIVE] = 10_000
+    heartbeat_interval_ms: Annotated[int, POSITIVE] = 2_000
     # A provider that runs nothing is probed this often; a busy one only this seldom, and
     # only with a check that cannot disturb its requests (workers/adapters/probes.py): its
     # traffic tells meanwhile. Unset: BUSY_PROBE_FACTOR probe intervals (60 s by default).
-    probe_interval_ms: int = 5_000
+    probe_interval_ms: Annotated[int, POSITIVE] = 5_000
     busy_probe_interval_ms: int | None = None
-    probe_timeout_ms: int = 2_000
+    probe_timeout_ms: Annotated[int, POSITIVE] = 2_000
     # How often the reaper runs (reap_period_ms). Unset: 1 s, or less where the leases or
     # the replica TTL are short enough to need it; set: it must stay under half of
     # observation_gap_ms (validation.py).
-    reap_interval_ms: int | None = None
+    reap_interval_ms: Annotated[int, POSITIVE] | None = None
     # An API replica silent this long is dead: the reaper cancels what it waited on.
-    replica_ttl_ms: int = 10_000
+    replica_ttl_ms: Annotated[int, POSITIVE] = 10_000
     # Dispatches of one job when its worker dies before any output reached the client.
-    max_attempts: int = 2
+    max_attempts: Annotated[int, POSITIVE] = 2
     # SIGTERM: running jobs get this long to finish before they are cancelled.
-    drain_grace_s: float = 30.0
+    drain_grace_s: Annotated[float, NON_NEGATIVE] = 30.0
 
     @property
     def busy_probe_period_ms(self) -> int:
@@ -220,9 +228,10 @@ class ModelConfig(_Base, frozen=True):
     id: str
     providers: dict[str, str]
     display_name: str | None = None
-    max_queue: int | None = None
-    queue_timeout_ms: int | None = None
-    hold_when_unavailable_ms: int | None = None
+    # Unset: the queue section's.
+    max_queue: Annotated[int, NON_NEGATIVE] | None = None
+    queue_timeout_ms: Annotated[int, POSITIVE] | None = None
+    hold_when_unavailable_ms: Annotated[int, NON_NEGATIVE] | None = None
     refuse_predicted_over_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Other model ids tried in order when this one cannot take a request at once (no
     # provider of its endpoint available, its queue or its tenant's share full, its
@@ -236,11 +245,11 @@ class ProviderConfig(_Base, frozen=True):
     type: str
     models: list[str] = []
     category: str | None = None
-    capacity: int = 1
+    capacity: Annotated[int, NON_NEGATIVE, hint("0 keeps the provider out of rotation")] = 1
     base_url: str | None = None
     api_key_env: str | None = None
     command: list[str] | None = None
-    timeout_s: float = 600.0
+    timeout_s: Annotated[float, POSITIVE] = 600.0
     # Endpoint names (dispatcher/endpoints.py) this provider serves; unset = its type's default.
     endpoints: list[str] | None = None
     # Ask streamed chat/completions for their usage (stream_options.include_usage) when the
@@ -274,9 +283,9 @@ class ResponsesConfig(_Base, frozen=True):
     """Where stored Responses live: iop remembers which provider made each response id."""
 
     # How long an id is remembered (a provider that forgets sooner answers 404 itself).
-    id_ttl_s: int = 7 * 24 * 3600
+    id_ttl_s: Annotated[int, POSITIVE] = 7 * 24 * 3600
     # At most this many ids are remembered; the oldest are forgotten first.
-    max_ids: int = 100_000
+    max_ids: Annotated[int, POSITIVE] = 100_000
 
 
 class FakeProviderConfig(_Base, frozen=True):
@@ -301,19 +310,21 @@ class TracingConfig(_Base, frozen=True):
     endpoint: str | None = None
     service_name: str = "iop"
     # Of new traces; a caller's traceparent keeps its own sampling decision.
-    sample_ratio: float = 1.0
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
 class Config(_Base, frozen=True):
     models: list[ModelConfig] = []
     nodes: list[NodeConfig] = []
-    redis: RedisConfig = RedisConfig()
+    # RESTART: a running process keeps its Redis, the timings its leases and loops were
+    # started with, and its tracing (set up once per process) until it restarts.
+    redis: Annotated[RedisConfig, RESTART] = RedisConfig()
     api: ApiConfig = ApiConfig()
     queue: QueueConfig = QueueConfig()
-    dispatch: DispatchConfig = DispatchConfig()
+    dispatch: Annotated[DispatchConfig, RESTART] = DispatchConfig()
     responses: ResponsesConfig = ResponsesConfig()
     demo: DemoConfig = DemoConfig()
-    tracing: TracingConfig = TracingConfig()
+    tracing: Annotated[TracingConfig, RESTART] = TracingConfig()
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)

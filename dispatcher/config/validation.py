@@ -2,6 +2,8 @@
 
 :func:`validate` reports every problem at once, each at the path of the offending value;
 :func:`secrets_in_file` finds secrets written into the file, which belong in the environment.
+A single field's range is not written here but on the field (:mod:`dispatcher.config.schema`),
+and checked from there (:mod:`dispatcher.config.field_rules`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from fnmatch import fnmatchcase
 from urllib.parse import urlsplit
 
+from dispatcher.config.field_rules import problems_in
 from dispatcher.config.schema import (
     CATEGORIES,
     HTTP_TYPES,
@@ -26,8 +29,9 @@ from dispatcher.exceptions import ConfigProblem
 
 
 def validate(config: Config) -> list[ConfigProblem]:
-    """Every cross-field problem of ``config``, each with the path of the offending value."""
-    problems: list[ConfigProblem] = []
+    """Every problem of ``config``, each with the path of the offending value: values out of
+    the range their field declares, then the rules that need more than one field."""
+    problems: list[ConfigProblem] = problems_in(config)
 
     def bad(path: str, message: str) -> None:
         problems.append(ConfigProblem(path, message))
@@ -65,29 +69,10 @@ def validate(config: Config) -> list[ConfigProblem]:
                     f"{path}.providers.{pid}",
                     f"served name {served!r} is not in provider {pid!r} models {prov.models}",
                 )
-        if model.max_queue is not None and model.max_queue < 0:
-            bad(f"{path}.max_queue", f"must be >= 0, got {model.max_queue}")
-        if model.queue_timeout_ms is not None and model.queue_timeout_ms <= 0:
-            bad(f"{path}.queue_timeout_ms", f"must be > 0, got {model.queue_timeout_ms}")
-        if model.hold_when_unavailable_ms is not None and model.hold_when_unavailable_ms < 0:
-            bad(f"{path}.hold_when_unavailable_ms", f"must be >= 0, got {model.hold_when_unavailable_ms}")
 
     problems.extend(_fallback_problems(config))
 
-    if config.queue.max_queue < 0:
-        bad("$.queue.max_queue", f"must be >= 0, got {config.queue.max_queue}")
-    if config.queue.queue_timeout_ms <= 0:
-        bad("$.queue.queue_timeout_ms", f"must be > 0, got {config.queue.queue_timeout_ms}")
-    if config.queue.hold_when_unavailable_ms < 0:
-        bad("$.queue.hold_when_unavailable_ms", f"must be >= 0, got {config.queue.hold_when_unavailable_ms}")
-    for name in ("max_body_bytes", "max_header_bytes", "header_timeout_s", "body_timeout_s", "max_streams"):
-        if getattr(config.api, name) <= 0:
-            bad(f"$.api.{name}", f"must be > 0, got {getattr(config.api, name)}")
     d = config.dispatch
-    for name in ("lease_ms", "heartbeat_ttl_ms", "heartbeat_interval_ms", "probe_interval_ms",
-                 "probe_timeout_ms", "reap_interval_ms", "replica_ttl_ms", "max_attempts"):
-        if getattr(d, name) is not None and getattr(d, name) <= 0:
-            bad(f"$.dispatch.{name}", f"must be > 0, got {getattr(d, name)}")
     busy = d.busy_probe_interval_ms
     if busy is not None and busy < max(d.probe_interval_ms, 1):
         bad("$.dispatch.busy_probe_interval_ms",
@@ -97,11 +82,6 @@ def validate(config: Config) -> list[ConfigProblem]:
         bad("$.dispatch.heartbeat_interval_ms",
             f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
     problems.extend(_tenant_problems(config))
-    for name in ("id_ttl_s", "max_ids"):
-        if getattr(config.responses, name) <= 0:
-            bad(f"$.responses.{name}", f"must be > 0, got {getattr(config.responses, name)}")
-    if d.drain_grace_s < 0:
-        bad("$.dispatch.drain_grace_s", f"must be >= 0, got {d.drain_grace_s}")
     if (d.reap_interval_ms is not None and min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0
             and 2 * d.reap_interval_ms >= d.observation_gap_ms):
         bad("$.dispatch.reap_interval_ms",
@@ -113,14 +93,10 @@ def validate(config: Config) -> list[ConfigProblem]:
         bad("$.tracing.endpoint", f"must be an http(s) URL (OTLP/HTTP), got {tracing.endpoint!r}")
     if not tracing.service_name:
         bad("$.tracing.service_name", "must not be empty")
-    if not 0.0 <= tracing.sample_ratio <= 1.0:
-        bad("$.tracing.sample_ratio", f"must be between 0 and 1, got {tracing.sample_ratio}")
     return problems
 
 
 def _redis_problems(redis: RedisConfig) -> Iterator[ConfigProblem]:
-    if redis.failover_hold_ms < 0:
-        yield ConfigProblem("$.redis.failover_hold_ms", f"must be >= 0 (0: no holding), got {redis.failover_hold_ms}")
     url = urlsplit(redis.url) if redis.url else None
     if (redis.cluster or redis.sentinel) and url is not None and url.scheme not in ("redis", "rediss"):
         yield ConfigProblem("$.redis.url", "Redis Cluster and Sentinel are reached over TCP: use redis:// or rediss://")
@@ -177,12 +153,6 @@ def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
             yield ConfigProblem(f"{path}.key_sha256", "must be 64 hex digits (sha256 of the key)")
         if key.priority is not None and key.priority not in api.priorities:
             yield ConfigProblem(f"{path}.priority", f"{key.priority!r} is not one of api.priorities {api.priorities}")
-        if key.weight <= 0:
-            yield ConfigProblem(f"{path}.weight", f"must be > 0, got {key.weight}")
-        for name in ("max_queued", "max_in_flight"):
-            value = getattr(key, name)
-            if value is not None and value < 1:
-                yield ConfigProblem(f"{path}.{name}", f"must be >= 1, got {value}")
         for mi, pattern in enumerate(key.models or ()):
             if not any(fnmatchcase(m.id, pattern) for m in config.models):
                 yield ConfigProblem(f"{path}.models[{mi}]", f"{pattern!r} matches no model id")
@@ -198,12 +168,6 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         yield ConfigProblem(
             f"{path}.category", f"unknown category {prov.category!r}; expected one of {list(CATEGORIES)}"
         )
-    if prov.capacity < 0:
-        yield ConfigProblem(
-            f"{path}.capacity", f"must be >= 0, got {prov.capacity} (0 keeps the provider out of rotation)"
-        )
-    if prov.timeout_s <= 0:
-        yield ConfigProblem(f"{path}.timeout_s", f"must be > 0, got {prov.timeout_s}")
     for ei, name in enumerate(prov.endpoints or ()):
         if name not in ENDPOINTS:
             yield ConfigProblem(f"{path}.endpoints[{ei}]",

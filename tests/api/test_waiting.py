@@ -6,18 +6,18 @@ and a real Redis."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from api.waiting import ClientGone, JobWait, ReplyReader, Waiter
+from api.waiting import ClientGone, JobWait, ReplyReader, Waiter, WaitRules
 from dispatcher import events
 from dispatcher.events import Chunks, End, Meta, Requeued, Start
 from dispatcher.exceptions import QueueTimeout, RedisUnavailable, WorkerLost
-from dispatcher.script_calls import SubmitStatus, Submitted
+from dispatcher.script_calls import Cancelled, CancelOutcome, CancelReason, SubmitStatus, Submitted
 
 pytestmark = pytest.mark.anyio
 
@@ -30,17 +30,17 @@ class FakeJobs:
         self.replies = replies
         self.failing = failing
         self.error: Exception = RedisConnectionError("Redis is away")
-        self.outcome = "gone"
+        self.outcome = CancelOutcome.GONE
         self.cancels: list[str] = []
         self.state_calls = 0
         self.reads_between_ticks = 1
 
-    async def cancel(self, job_id: str, model_id: str, reason: str) -> Any:
+    async def cancel(self, job_id: str, queue_key: str, reason: CancelReason) -> Cancelled:
         self.cancels.append(reason)
         if self.failing:
             self.failing -= 1
             raise self.error
-        return SimpleNamespace(outcome=self.outcome, wait_ms=0)
+        return Cancelled(self.outcome, 0)
 
     async def states(self, job_ids: list[str]) -> list[bytes | None]:
         self.state_calls += 1
@@ -51,10 +51,12 @@ class FakeJobs:
 def job_wait(lease_ms: int, failing: int = 0, hold_ms: int = 5000) -> tuple[JobWait, FakeJobs]:
     replies = ReplyReader(None, "reply")  # type: ignore[arg-type]  # never run here
     jobs = FakeJobs(replies, failing)
-    config = SimpleNamespace(dispatch=SimpleNamespace(lease_ms=lease_ms),
-                             redis=SimpleNamespace(failover_hold_ms=hold_ms))
-    gw = SimpleNamespace(config=config, jobs=jobs, replies=replies, models={})
-    return JobWait(gw, "job-1", "m"), jobs  # type: ignore[arg-type]
+    rules = WaitRules(watch_s=lease_ms / 1000, hold_s=hold_ms / 1000, queue_timeout_ms=lambda model_id: 30_000)
+
+    def spawn(coro: Coroutine[Any, Any, Any]) -> None:
+        asyncio.get_running_loop().create_task(coro)
+
+    return JobWait("job-1", "m", "q:m", replies=replies, jobs=jobs, rules=rules, spawn=spawn), jobs
 
 
 async def test_a_waiter_hands_over_events_in_order_and_says_when_none_came() -> None:
@@ -130,7 +132,7 @@ async def test_a_dispatched_job_is_no_longer_held_to_its_queue_deadline() -> Non
 
 async def test_a_deadline_passing_while_redis_is_away_is_decided_when_it_is_back() -> None:
     wait, jobs = job_wait(lease_ms=10_000, failing=4)
-    jobs.outcome = "removed"  # still waiting when Redis answers: its deadline has passed
+    jobs.outcome = CancelOutcome.REMOVED  # still waiting when Redis answers: its deadline has passed
     wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 10))
     with pytest.raises(QueueTimeout):
         await wait.next_event()
@@ -140,7 +142,7 @@ async def test_a_deadline_passing_while_redis_is_away_is_decided_when_it_is_back
 
 async def test_a_job_dispatched_during_the_outage_keeps_waiting_for_its_worker() -> None:
     wait, jobs = job_wait(lease_ms=10_000, failing=3)
-    jobs.outcome = "running"
+    jobs.outcome = CancelOutcome.RUNNING
     wait.waiting(Submitted(SubmitStatus.QUEUED, 1, 10))
     # Its worker's answer comes while the deadline's check waits for Redis.
     asyncio.get_running_loop().call_later(0.03, wait.waiter.push, events.encode(End()))

@@ -64,7 +64,7 @@ async def h(redis: Redis) -> Harness:
 async def beat(h: Harness, pid: str, health: str = "available", reason: str = "",
                reported: list[str] | None = None, loaded: list[str] | None = None,
                slots: int | None = None, endpoints: list[str] | None = None) -> None:
-    """A heartbeat with the fields a worker writes (workers/worker.py ``_heartbeat``)."""
+    """A heartbeat with the fields a worker writes (workers/provider_state.py ``_heartbeat``)."""
     prov = next(p for _, p in h.config.providers() if p.id == pid)
     fields: list[tuple[str, str | int]] = [
         ("capacity", prov.capacity), ("reason", reason),

@@ -80,7 +80,7 @@ class LaneHarness(Harness):
         return job, result.status
 
     async def fail(self, job: str) -> str:
-        """The provider failed ``job`` before any output (workers/worker.py: retry)."""
+        """The provider failed ``job`` before any output (workers/job_run.py: retry)."""
         a = await self.assignment(job)
         event = events.encode(Failed.from_error(ProviderUnreachable("provider answered 500")))
         return str(await self.node.finish(a, event, mode="retry"))

@@ -88,7 +88,7 @@ async def gateways() -> AsyncIterator[Callable[[dict[str, Any]], Gateway]]:
 
 async def use_both_clients(gw: Gateway, value: str = "v") -> None:
     """The request path's client runs a script, redis-py writes and reads, /readyz agrees."""
-    await gw.jobs.heartbeat()
+    await gw.runtime.jobs.heartbeat()
     await gw.redis.set("{iop}:topology-test", value)
     assert await gw.redis.get("{iop}:topology-test") == value.encode()
     ok, detail = await gw.ready()
@@ -98,8 +98,8 @@ async def use_both_clients(gw: Gateway, value: str = "v") -> None:
 async def submit(gw: Gateway) -> str:
     model = gw.config.model("m")
     assert model is not None
-    lane = gw.plans.main_lane(model.id)
-    result = await gw.jobs.submit(gw.next_job_id(), lane, b'{"model":"m"}', "chat/completions", False)
+    lane = gw.runtime.plans.main_lane(model.id)
+    result = await gw.runtime.jobs.submit(gw.next_job_id(), lane, b'{"model":"m"}', "chat/completions", False)
     return result.status
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dispatcher.config import parse
-from dispatcher.reloading import describe_changes, reread
+from dispatcher.reloading import describe_changes, fixed_changes, keep_fixed, reread
 
 
 def doc(capacity: int = 2, models: tuple[str, ...] = ("m",), **extra: Any) -> dict[str, Any]:
@@ -68,6 +68,28 @@ def test_what_needs_a_restart_keeps_its_running_value(tmp_path: Path, caplog: py
     assert new.api.max_streams == 7  # this one is applied
     for path in ("$.redis", "$.dispatch", "$.api.max_body_bytes"):
         assert f"{path} changed" in caplog.text
+
+
+def test_the_restart_only_settings_come_from_the_schema() -> None:
+    # Marked RESTART in dispatcher/config/schema.py: whole sections, and single api fields.
+    running = parse(doc()).config
+    new = parse(doc(capacity=5, redis={"failover_hold_ms": 1}, dispatch={"lease_ms": 9000},
+                    tracing={"sample_ratio": 0.5}, queue={"max_queue": 3},
+                    api={"max_body_bytes": 1000, "max_header_bytes": 2000, "header_timeout_s": 3.0,
+                         "body_timeout_s": 4.0, "max_streams": 5})).config
+    assert fixed_changes(running, new) == [
+        "$.redis", "$.api.max_body_bytes", "$.api.max_header_bytes", "$.api.header_timeout_s", "$.dispatch",
+        "$.tracing",
+    ]
+    assert fixed_changes(running, running) == []
+    kept = keep_fixed(running, new)
+    assert (kept.redis, kept.dispatch, kept.tracing) == (running.redis, running.dispatch, running.tracing)
+    assert (kept.api.max_body_bytes, kept.api.max_header_bytes, kept.api.header_timeout_s) == (
+        running.api.max_body_bytes, running.api.max_header_bytes, running.api.header_timeout_s)
+    # Everything else is the new file's.
+    assert (kept.api.body_timeout_s, kept.api.max_streams, kept.queue.max_queue) == (4.0, 5, 3)
+    assert next(p for _, p in kept.providers()).capacity == 5
+    assert fixed_changes(running, kept) == []
 
 
 def test_turning_flow_control_on_needs_a_restart(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Which tenant a request is: its key (or a trusted header), its band, its models."""
+"""What a tenant may do: its band, its models (which one a request is: tests/api/test_auth.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ from typing import Any
 import pytest
 
 from dispatcher import config as cfg
-from dispatcher.exceptions import ConfigError, InvalidRequest, Unauthorized
+from dispatcher.exceptions import ConfigError, InvalidRequest
 from dispatcher.tenants import Tenants
 
 
-def tenants(monkeypatch: pytest.MonkeyPatch, **api: Any) -> Tenants:
+def config(monkeypatch: pytest.MonkeyPatch, **api: Any) -> cfg.Config:
     monkeypatch.setenv("T_WEB", "web-secret")
     monkeypatch.setenv("T_LEGACY", "old-1, old-2")
-    return Tenants(cfg.parse({"api": api, "models": [{"id": "qwen3.6:35b", "providers": {"p": "s"}},
+    return cfg.parse({"api": api, "models": [{"id": "qwen3.6:35b", "providers": {"p": "s"}},
                                                      {"id": "llama3.1:8b", "providers": {"p": "s"}}],
                               "nodes": [{"id": "n", "providers": [
-                                  {"id": "p", "type": "vllm", "base_url": "http://h:1", "models": ["s"]}]}]}).config)
+                                  {"id": "p", "type": "vllm", "base_url": "http://h:1", "models": ["s"]}]}]}).config
+
+
+def tenants(monkeypatch: pytest.MonkeyPatch, **api: Any) -> Tenants:
+    return Tenants(config(monkeypatch, **api))
 
 
 KEYS = [
@@ -26,17 +30,6 @@ KEYS = [
     {"name": "eval", "key_sha256": hashlib.sha256(b"eval-secret").hexdigest(), "priority": "batch"},
 ]
 BANDS = ["interactive", "standard", "batch"]
-
-
-def test_a_key_names_its_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS, api_keys_env="T_LEGACY")
-    assert t.of({"authorization": "Bearer web-secret"}).name == "web"
-    assert t.of({"x-api-key": "eval-secret"}).name == "eval"
-    assert t.of({"authorization": "Bearer old-2"}).name == "default"
-    assert t.of({"authorization": "Bearer old-2"}).band == BANDS.index("standard")
-    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic web-secret"}):
-        with pytest.raises(Unauthorized):
-            t.of(headers)
 
 
 def test_allow_lists_are_globs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,19 +40,8 @@ def test_allow_lists_are_globs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert t.by_name["eval"].allows("llama3.1:8b")
 
 
-def test_an_open_api_is_the_default_tenant_and_flow_control_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = tenants(monkeypatch)
-    assert t.of({}).name == "default"
-    assert not t.flow_control
-
-
-def test_a_trusted_header_names_the_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = tenants(monkeypatch, keys=KEYS, priorities=BANDS, api_keys_env="T_LEGACY", tenant_header="X-Tenant")
-    assert t.of({"authorization": "Bearer old-1", "x-tenant": "eval"}).name == "eval"
-    with pytest.raises(Unauthorized):
-        t.of({"authorization": "Bearer old-1", "x-tenant": "nobody"})
-    with pytest.raises(Unauthorized):  # the header does not replace the key
-        t.of({"x-tenant": "eval"})
+def test_an_open_api_has_no_flow_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not tenants(monkeypatch).flow_control
 
 
 def test_the_priority_header_only_lowers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,14 +69,3 @@ def test_every_tenant_problem_is_reported_with_its_path() -> None:
                  "$.api.keys[1].priority", "$.api.keys[1].weight", "$.api.keys[1].max_queued",
                  "$.api.keys[1].models[0]", "$.api.keys[2].name", "$.api.keys[2].key_sha256"):
         assert path in text, (path, text)
-
-
-def test_a_key_whose_variable_is_unset_is_named_in_a_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.delenv("T_MISSING", raising=False)
-    with caplog.at_level("WARNING", logger="iop.tenants"):
-        t = tenants(monkeypatch, keys=[*KEYS, {"name": "ghost", "key_env": "T_MISSING"}], priorities=BANDS)
-    assert "tenant ghost has no key: environment variable T_MISSING is unset" in caplog.text
-    with pytest.raises(Unauthorized):
-        t.of({"authorization": "Bearer "})

@@ -24,8 +24,8 @@ from dispatcher.config import Config, TracingConfig, parse
 from dispatcher.envelope import JSON, RequestEnvelope, unwrap, wrap
 from dispatcher.events import Assignment, Done, End, Meta, Usage
 from dispatcher.exceptions import ConfigError, ProviderUnreachable
+from workers.job_run import provider_call
 from workers.sink import JobAborted
-from workers.worker import provider_call
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"

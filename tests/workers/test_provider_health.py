@@ -1,10 +1,10 @@
-"""A worker's word on its providers' health (workers/worker.py): probes while they are idle,
+"""A worker's word on its providers' health (workers/provider_state.py): probes while they are idle,
 nothing that could disturb them while they are busy, and their calls as the health signal.
 
 A real ``Worker`` runs in the test's event loop against a private redis-server, in front of
 an upstream served by the test itself (aiohttp), which records every request it gets. A
 provider is made busy the way another worker's dispatch makes it: its ``in_flight`` in
-Redis. A call is made through the worker's own ``_call``, the path every job takes.
+Redis. A call is made through the worker's own ``jobs.call``, the path every job takes.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from dispatcher.events import Assignment, Failed
 from iop.redis_server import RedisServer, free_port
 from workers.adapters import probes
 from workers.adapters.openai_http import OpenAIHttpAdapter
+from workers.leases import Running
 from workers.sink import RedisSink
-from workers.worker import Running, Worker
+from workers.worker import Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -177,7 +178,7 @@ def chat_job(n: int = 1) -> Assignment:
 
 async def call(worker: Worker, n: int = 1) -> object:
     job = chat_job(n)
-    return await worker._call(job, Running(job), RedisSink(worker.side, job, "n1"))
+    return await worker.jobs.call(job, Running(job), RedisSink(worker.side, job, "n1"))
 
 
 # --------------------------------------------------------------------------- busy: no probe
@@ -288,4 +289,4 @@ async def test_the_provider_own_4xx_says_nothing_of_its_health(
         assert isinstance(await call(worker), Failed)
         await heartbeats(redis, 3)
         assert (await state(redis))["health"] == "available"
-        assert worker.health[PROVIDER].healthy
+        assert worker.providers.health[PROVIDER].healthy

@@ -22,9 +22,9 @@ from iop.redis_server import free_port
 from tests.workers.adapters.recording import RecordingSink
 from workers.adapters.base import ProviderCall
 from workers.adapters.openai_http import OpenAIHttpAdapter, new_session
+from workers.job_run import provider_call
 from workers.sink import RedisSink
 from workers.usage import StreamUsage, cached_tokens_of, completion_tokens, json_usage
-from workers.worker import provider_call
 
 JSON = "application/json"
 

@@ -22,7 +22,7 @@
 
 **While busy** (the provider runs requests, iop's or another worker's of the node) the worker
 asks only what the second table says, and only every ``busy_probe_interval_ms``: its traffic
-is its health meanwhile (a failed call marks it unavailable, workers/worker.py). A probe must
+is its health meanwhile (a failed call marks it unavailable, workers/provider_state.py). A probe must
 never be what disturbs a running request, and some servers are disturbed by one:
 llama-cpp-python's server takes its model lock for ``GET /v1/models`` as for a completion,
 and by default (``interrupt_requests``) a request waiting for that lock ends the running

@@ -1,4 +1,4 @@
-"""``dispatch.busy_probe_interval_ms``: how seldom a busy provider is probed (workers/worker.py)."""
+"""``dispatch.busy_probe_interval_ms``: how seldom a busy provider is probed (workers/provider_state.py)."""
 
 from __future__ import annotations
 

@@ -453,9 +453,11 @@ def test_model_queue_overrides_range(field: str, value: int, expected: str) -> N
 
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
-    [("mode", "lru", "Invalid enum value 'lru' (expected one of: off, prefix, session)"), ("load_bound", 0.9, ">= 1.0"),
-     ("load_floor", 1.5, "<= 1.0"), ("load_floor", -0.1, ">= 0.0"), ("index_max_blocks", 10, ">= 16"),
-     ("look_ahead", 65, "<= 64"), ("max_wait_ms", -1, ">= 0"), ("weight", 2, "unknown field")],
+    [("mode", "lru", "Invalid enum value 'lru' (expected one of: off, prefix, session)"),
+     ("load_bound", 0.9, "must be between 1 and 100, got 0.9"),
+     ("load_floor", 1.5, "must be between 0 and 1, got 1.5"), ("load_floor", -0.1, "must be between 0 and 1, got -0.1"),
+     ("index_max_blocks", 10, "must be between 16 and 10000000, got 10"), ("look_ahead", 65, "between 0 and 64"),
+     ("max_wait_ms", -1, "between 0 and 60000"), ("weight", 2, "unknown field")],
 )
 def test_model_affinity_range(field: str, value: object, expected: str) -> None:
     raw = base()

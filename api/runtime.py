@@ -1,0 +1,67 @@
+"""What one config means to an API process, built once: :class:`Runtime`.
+
+The gateway (``api/gateway.py``) holds the process's lasting parts -- its Redis clients,
+its reply reader, its metrics -- and one reference to the current runtime. A reload
+builds a new runtime from the new config and swaps that reference: a request reads the
+reference once when it starts and finishes with what it read (its model, its lane, its
+tenant, its timings), whatever a reload does meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from api.auth import CallerKeys, KeyGuard, admin_guard
+from api.waiting import WaitRules
+from dispatcher.api_side import ApiSide
+from dispatcher.config import Config, ModelConfig
+from dispatcher.plans import Plans
+from dispatcher.script_calls import ScriptCalls
+from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenants
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    config: Config
+    models: dict[str, ModelConfig]
+    plans: Plans
+    # The scripts' calls with this config, as this replica makes them.
+    jobs: ApiSide
+    tenants: Tenants
+    # Who a request is: its caller key (or the trusted tenant header), checked here.
+    callers: CallerKeys
+    # The operator surfaces' keys.
+    admin: KeyGuard
+    # The timings every job wait of this config keeps.
+    wait_rules: WaitRules
+
+    @classmethod
+    def build(cls, config: Config, scripts: Scripts, redis: Redis, replica_id: str) -> Runtime:
+        tenants = Tenants(config)
+        callers = CallerKeys(config, tenants)
+        calls = ScriptCalls(scripts, config, Plans(config))
+        models = {m.id: m for m in config.models}
+
+        def queue_timeout_ms(model_id: str) -> int:
+            model = models.get(model_id)
+            # A reload may have removed the model: its waiting jobs still time out.
+            return config.queue_timeout_ms(model) if model is not None else config.queue.queue_timeout_ms
+
+        return cls(
+            config=config,
+            models=models,
+            plans=calls.plans,
+            jobs=ApiSide(calls, redis, replica_id),
+            tenants=tenants,
+            callers=callers,
+            admin=admin_guard(config.api.admin_keys_env, callers),
+            wait_rules=WaitRules(watch_s=config.dispatch.lease_ms / 1000,
+                                 hold_s=config.redis.failover_hold_ms / 1000, queue_timeout_ms=queue_timeout_ms),
+        )
+
+    @property
+    def calls(self) -> ScriptCalls:
+        return self.jobs.calls

@@ -1,0 +1,148 @@
+"""``Worker`` as the wiring of its parts (workers/worker.py), in this event loop against a
+private redis-server and the project's fake providers: what a reload swaps and what it
+tells Redis, and what it refuses. (Signals, shutdown and crashes: tests/e2e, with real
+processes.)"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import yaml
+from redis.asyncio import Redis
+
+from dispatcher import keys
+from dispatcher.config import parse
+from dispatcher.exceptions import ConfigError
+from iop.fake_provider import FakeOptions, start
+from iop.redis_server import RedisServer, free_port
+from tests.workers.eventually import EVENTUALLY_S
+from workers.worker import Worker
+
+pytestmark = pytest.mark.anyio
+
+HOST = "127.0.0.1"
+
+
+def raw_config(redis_url: str, ports: dict[str, int], capacities: dict[str, int] | None = None,
+               node: str = "n1") -> dict[str, Any]:
+    capacities = capacities or {}
+    return {
+        "redis": {"url": redis_url},
+        "models": [{"id": "m", "providers": {pid: "t" for pid in ports}}],
+        "nodes": [{"id": node, "providers": [
+            {"id": pid, "type": "openai_api", "base_url": f"http://{HOST}:{port}", "models": ["t"],
+             "capacity": capacities.get(pid, 1), "timeout_s": 10}
+            for pid, port in ports.items()]}],
+        "dispatch": {"heartbeat_interval_ms": 50, "heartbeat_ttl_ms": 2000, "probe_interval_ms": 100,
+                     "probe_timeout_ms": 1000, "drain_grace_s": 0, "lease_ms": 900, "reap_interval_ms": 100},
+    }
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[dict[str, int]]:
+    """Three fake providers, a, b and c: their ports."""
+    ports = {pid: free_port() for pid in ("a", "b", "c")}
+    runners = [await start(HOST, port, FakeOptions(models=["t"])) for port in ports.values()]
+    try:
+        yield ports
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def provider_hash(redis: Redis, pid: str) -> dict[str, str]:
+    raw: dict[bytes, bytes] = await redis.hgetall(keys.provider(pid))  # type: ignore[assignment]
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def until(redis: Redis, pid: str, check: Callable[[dict[str, str]], bool]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    try:
+        with anyio.fail_after(EVENTUALLY_S):
+            while True:
+                found = await provider_hash(redis, pid)
+                if check(found):
+                    return found
+                await anyio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"{pid} never got there: {found}") from None
+
+
+def test_a_worker_for_a_node_the_config_lacks_is_refused(redis_server: RedisServer) -> None:
+    config = parse(raw_config(redis_server.url, {"a": 9})).config
+    with pytest.raises(ConfigError, match="no node with id 'n9'"):
+        Worker(config, "n9")
+
+
+async def test_a_reload_swaps_the_runtime_and_tells_redis_what_changed(
+    tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int]
+) -> None:
+    path = tmp_path / "iop.yaml"
+    first = raw_config(redis_server.url, {"a": fakes["a"], "b": fakes["b"]})
+    path.write_text(yaml.safe_dump(first))
+    worker = Worker(parse(first).config, "n1", str(path))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        try:
+            await until(redis, "a", lambda h: h.get("health") == "available")
+            await until(redis, "b", lambda h: h.get("health") == "available")
+            old_runtime = worker.runtime
+            old_b = worker.adapters["b"]
+            old_a = worker.adapters["a"]
+
+            # a resized, b removed, c added.
+            path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"], "c": fakes["c"]},
+                                                      capacities={"a": 4})))
+            assert await worker.reload()
+
+            assert worker.runtime is not old_runtime
+            assert [p.id for p in worker.runtime.node.providers] == ["a", "c"]
+            assert worker.side.calls is worker.runtime.calls  # new plans for the script calls
+            removed = await provider_hash(redis, "b")
+            assert removed["health"] == "unavailable"
+            assert removed["reason"] == "removed from the config"
+            assert removed["removed"] == "1"
+            assert "b" not in worker.adapters
+            assert worker.adapters.for_job("b") is old_b  # what it runs finishes on it
+            assert worker.adapters["a"] is not old_a
+            await until(redis, "a", lambda h: h.get("capacity") == "4")
+            await until(redis, "c", lambda h: h.get("health") == "available")
+            # b stays as the reload left it: nothing heartbeats it any more.
+            for _ in range(3):
+                beat = (await provider_hash(redis, "a"))["hb_ms"]
+                await until(redis, "a", lambda h, beat=beat: h["hb_ms"] != beat)  # type: ignore[misc]
+            assert (await provider_hash(redis, "b"))["removed"] == "1"
+        finally:
+            worker.stop()
+
+
+async def test_a_reload_without_the_node_changes_nothing(
+    tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int]
+) -> None:
+    path = tmp_path / "iop.yaml"
+    first = raw_config(redis_server.url, {"a": fakes["a"]})
+    path.write_text(yaml.safe_dump(first))
+    worker = Worker(parse(first).config, "n1", str(path))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        try:
+            await until(redis, "a", lambda h: h.get("health") == "available")
+            before = worker.runtime
+            path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"]}, node="other")))
+            assert not await worker.reload()
+            assert worker.runtime is before
+            assert "a" in worker.adapters
+        finally:
+            worker.stop()
+
+
+async def test_a_worker_without_a_config_file_does_not_reload(redis_server: RedisServer) -> None:
+    worker = Worker(parse(raw_config(redis_server.url, {"a": 9})).config, "n1")
+    try:
+        assert not await worker.reload()
+    finally:
+        await worker.clients.aclose()
