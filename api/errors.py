@@ -1,5 +1,6 @@
 """One place that turns every failure into an error answer: OpenAI's shape, or Anthropic's
-on the Anthropic paths (``/v1/messages...``), whose clients parse only that."""
+where the endpoint table says so (``dispatcher/endpoints.py`` ``errors``: ``/v1/messages``
+and its count_tokens), whose clients parse only that."""
 
 from __future__ import annotations
 

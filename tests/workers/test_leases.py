@@ -157,7 +157,9 @@ class RecordingSide:
                 await self.called.wait()
 
 
-async def test_renew_now_renews_every_running_job_and_aborts_what_it_is_told() -> None:
+def renewing() -> tuple[Runs, RecordingSide, Leases, list[int]]:
+    """Runs, the side that records renewals, their Leases, and the number of renewals seen
+    by each call of the after-renewal hook."""
     runs = Runs(keep_s=60)
     side = RecordingSide()
     settled: list[int] = []
@@ -165,7 +167,11 @@ async def test_renew_now_renews_every_running_job_and_aborts_what_it_is_told() -
     async def after_renewal() -> None:
         settled.append(len(side.renewed))
 
-    leases = Leases(runs, side, LONG_LEASE_MS, after_renewal)  # type: ignore[arg-type]
+    return runs, side, Leases(runs, side, LONG_LEASE_MS, after_renewal), settled  # type: ignore[arg-type]
+
+
+async def test_renew_now_renews_every_running_job_and_aborts_what_it_is_told() -> None:
+    runs, side, leases, settled = renewing()
     a, b, c = runs.start(job("a", fence=1)), runs.start(job("b", fence=4)), runs.start(job("c", fence=2))
     side.answers.append([Abort("a", 1, AbortReason.CANCELLED), Abort("b", 3, AbortReason.STALE),
                          Abort("gone", 1, AbortReason.STALE)])
@@ -184,14 +190,7 @@ async def test_renew_now_renews_every_running_job_and_aborts_what_it_is_told() -
 
 
 async def test_a_failed_renewal_is_tried_again_without_being_asked() -> None:
-    runs = Runs(keep_s=60)
-    side = RecordingSide()
-    settled: list[int] = []
-
-    async def after_renewal() -> None:
-        settled.append(len(side.renewed))
-
-    leases = Leases(runs, side, LONG_LEASE_MS, after_renewal)  # type: ignore[arg-type]
+    runs, side, leases, settled = renewing()
     runs.start(job("a"))
     side.answers.append(RedisConnectionError("gone"))
     async with anyio.create_task_group() as tg:
