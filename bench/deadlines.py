@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 import msgspec
@@ -57,20 +57,20 @@ import uvloop
 from bench import prefix_fleet
 from bench.fleet_sim import SimConfig
 from bench.prefix_fleet import (
-    ROOT,
     Arrival,
     Capacity,
     Fleet,
     Iop,
     Result,
     Run,
-    Target,
     Workload,
     make_trace,
     nominal_capacity,
     prefix_working_set,
+    run_trace,
 )
-from bench.stack import command_line, markdown_table, percentile, write_section
+from bench.prefix_fleet import fmt_ms as ms
+from bench.stack import command_line, markdown_table, write_section
 from dispatcher import keys
 
 COMMAND: Final = "python -m bench.deadlines"
@@ -89,15 +89,21 @@ _OVER = re.compile(r"about ([\d.]+) s longer")
 
 @dataclass(slots=True)
 class Answer(Result):
-    """prefix_fleet's result, plus what a refusal or a queue wait says."""
-
-    code: str = ""  # the error's code (error.code of the body) when not 200
-    queue_ms: float = math.nan  # x-iop-queue-ms of an answer: submit to dispatch
-    over_ms: float = math.nan  # a refusal's predicted wait beyond the deadline (its message, 0.1 s)
+    """prefix_fleet's result, read for what a refusal says."""
 
     @property
     def answer_ms(self) -> float:
         return (self.done - self.sent) * 1000
+
+    @property
+    def code(self) -> str:
+        """The error's code (error.code of the body) when not 200."""
+        return error_code(self.error)[0] if self.error else ""
+
+    @property
+    def over_ms(self) -> float:
+        """A refusal's predicted wait beyond the deadline (its message, 0.1 s)."""
+        return error_code(self.error)[1] if self.error else math.nan
 
 
 def error_code(raw: bytes) -> tuple[str, float]:
@@ -107,62 +113,6 @@ def error_code(raw: bytes) -> tuple[str, float]:
         return "", math.nan
     over = _OVER.search(str(error.get("message") or ""))
     return str(error.get("code") or ""), float(over.group(1)) * 1000 if over else math.nan
-
-
-async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: float, headers: dict[str, str]) -> Answer:
-    """prefix_fleet.send with the request's headers, and the error's code kept."""
-    sent = time.perf_counter() - t0
-    ttft = math.inf
-    usage: dict[str, Any] | None = None
-    queue_ms = math.nan
-    try:
-        async with http.post(f"{url}/v1/chat/completions", data=arrival.body, headers=headers) as resp:
-            if resp.status != 200:
-                raw = await resp.read()
-                code, over = error_code(raw)
-                return Answer(sent, ttft, time.perf_counter() - t0, resp.status, code=code, over_ms=over)
-            queue_ms = float(resp.headers.get("x-iop-queue-ms", "nan"))
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk: dict[str, Any] = msgspec.json.decode(payload)
-                if ttft == math.inf:
-                    choices = chunk.get("choices") or [{}]
-                    if (choices[0].get("delta") or {}).get("content"):
-                        ttft = time.perf_counter() - t0 - sent
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, ValueError):
-        return Answer(sent, ttft, time.perf_counter() - t0, 0, queue_ms=queue_ms)
-    done = time.perf_counter() - t0
-    if usage is None:
-        return Answer(sent, ttft, done, 0, queue_ms=queue_ms)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Answer(sent, ttft, done, 200, usage["prompt_tokens"], cached, usage["completion_tokens"],
-                  queue_ms=queue_ms)
-
-
-async def run_trace(target: Target, trace: Sequence[Arrival], headers: dict[str, str]) -> list[Answer]:
-    """prefix_fleet.run_trace (open loop) with this module's send."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-        t0 = time.perf_counter()
-
-        async def one(arrival: Arrival) -> Answer:
-            url, _ = target.route(arrival)
-            return await send(http, url, arrival, t0, headers)
-
-        tasks = []
-        for arrival in trace:
-            delay = t0 + arrival.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(arrival)))
-        return list(await asyncio.gather(*tasks))
 
 
 class DrainWatch:
@@ -207,7 +157,7 @@ async def measure(target: Iop, fleet: Fleet, trace: Sequence[Arrival], deadline_
     target.start(fleet)
     watch = DrainWatch(target, args.warmup, args.seconds)
     try:
-        run.results = list(await run_trace(target, trace, headers))
+        run.results = list(await run_trace(target, trace, headers, Answer))
     finally:
         intervals = watch.stop()
         target.stop()
@@ -278,13 +228,6 @@ def figures(run: Run, intervals: list[float], load: float, deadline_ms: int, slo
         over_ms=[r.over_ms for r in refused if not math.isnan(r.over_ms)],
         predicted_interval_ms=intervals, realized_gaps_ms=backlog_gaps_ms(measured),
         tokens_per_s=run.output_tokens_per_s(), late_steps=run.late_steps())
-
-
-def ms(values: list[float], q: float, digits: int = 0) -> str:
-    if not values:
-        return "-"
-    v = max(values) if q == 100 else percentile(values, q)
-    return "∞" if v == math.inf else f"{v:,.{digits}f}"
 
 
 def pct(x: float) -> str:
@@ -491,11 +434,7 @@ docstring says what is simulated and what is left out.
 
 
 def write(args: argparse.Namespace, text: str) -> None:
-    """The section, under its heading (added at the end the first time)."""
-    path = ROOT / "docs" / "BENCHMARKS.md"
-    if path.exists() and f"<!-- {NAME}:begin -->" not in path.read_text():
-        path.write_text(path.read_text().rstrip() + "\n\n" + HEADING)
-    write_section(NAME, command(args), text)
+    write_section(NAME, command(args), text, heading=HEADING)
 
 
 if __name__ == "__main__":

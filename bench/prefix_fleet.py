@@ -72,7 +72,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import msgspec
@@ -571,21 +571,27 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    queue_ms: float = math.nan  # x-iop-queue-ms of an answer through iop: submit to dispatch
+    error: bytes = b""  # the body of an answer that was not 200
 
 
 _Chunk = dict[str, Any]
+R = TypeVar("R", bound=Result)
+JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
 
-async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: float) -> Result:
+async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: float,
+               headers: dict[str, str] = JSON_HEADERS, result: type[R] = Result) -> R:  # type: ignore[assignment]
+    """One streamed request, as ``result``: when it left, its first token, its end, its usage."""
     sent = time.perf_counter() - t0
     ttft = math.inf
     usage: dict[str, Any] | None = None
+    queue_ms = math.nan
     try:
-        async with http.post(f"{url}/v1/chat/completions", data=arrival.body,
-                             headers={"Content-Type": "application/json"}) as resp:
+        async with http.post(f"{url}/v1/chat/completions", data=arrival.body, headers=headers) as resp:
             if resp.status != 200:
-                await resp.read()
-                return Result(sent, ttft, time.perf_counter() - t0, resp.status)
+                return result(sent, ttft, time.perf_counter() - t0, resp.status, error=await resp.read())
+            queue_ms = float(resp.headers.get("x-iop-queue-ms", "nan"))
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -599,26 +605,28 @@ async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: floa
                         ttft = time.perf_counter() - t0 - sent
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
-        return Result(sent, ttft, time.perf_counter() - t0, 0)
+    except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, ValueError):
+        return result(sent, ttft, time.perf_counter() - t0, 0, queue_ms=queue_ms)
     done = time.perf_counter() - t0
     if usage is None:  # the stream ended without its usage chunk
-        return Result(sent, ttft, done, 0)
+        return result(sent, ttft, done, 0, queue_ms=queue_ms)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Result(sent, ttft, done, 200, usage["prompt_tokens"], cached, usage["completion_tokens"])
+    return result(sent, ttft, done, 200, usage["prompt_tokens"], cached, usage["completion_tokens"],
+                  queue_ms=queue_ms)
 
 
-async def run_trace(target: Target, trace: Sequence[Arrival]) -> list[Result]:
+async def run_trace(target: Target, trace: Sequence[Arrival], headers: dict[str, str] = JSON_HEADERS,
+                    result: type[R] = Result) -> list[R]:  # type: ignore[assignment]
     """Open loop: each request leaves at its time, whether or not earlier ones were answered."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         t0 = time.perf_counter()
 
-        async def one(arrival: Arrival) -> Result:
+        async def one(arrival: Arrival) -> R:
             url, server = target.route(arrival)
             try:
-                return await send(http, url, arrival, t0)
+                return await send(http, url, arrival, t0, headers, result)
             finally:
                 target.finished(server)
 
@@ -697,11 +705,12 @@ async def measure(target: Target, fleet: Fleet, trace: Sequence[Arrival], warmup
 # --------------------------------------------------------------------------- tables
 
 
-def fmt_ms(values: list[float], q: float) -> str:
+def fmt_ms(values: list[float], q: float, digits: int = 0) -> str:
+    """The ``q``th percentile of ``values`` (100: the largest), ∞ for a request never answered."""
     if not values:
         return "-"
-    v = percentile(values, q)
-    return "∞" if v == math.inf else f"{v:,.0f}"
+    v = max(values) if q == 100 else percentile(values, q)
+    return "∞" if v == math.inf else f"{v:,.{digits}f}"
 
 
 def scenario_table(runs: Sequence[Run], slo_s: float) -> str:
@@ -909,11 +918,7 @@ on the same traces. The module docstrings say what is simulated and what is left
 
 
 def write(args: argparse.Namespace, text: str) -> None:
-    """The section, under its heading (added the first time: write_section only appends the section)."""
-    path = ROOT / "docs" / "BENCHMARKS.md"
-    if path.exists() and "<!-- prefix-fleet:begin -->" not in path.read_text():
-        path.write_text(path.read_text().rstrip() + "\n\n" + HEADING)
-    write_section("prefix-fleet", command(args), text)
+    write_section("prefix-fleet", command(args), text, heading=HEADING)
 
 
 if __name__ == "__main__":

@@ -151,11 +151,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def write_section(name: str, command: str, table: str, notes: str = "") -> None:
-    """Replace the section ``name`` of docs/BENCHMARKS.md with fresh figures."""
+def write_section(name: str, command: str, table: str, notes: str = "", heading: str = "") -> None:
+    """Replace the section ``name`` of docs/BENCHMARKS.md with fresh figures; ``heading``
+    goes before it the first time, when the section is added at the end."""
     path = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if heading and begin not in text:
+        text = text.rstrip() + "\n\n" + heading
     stamp = time.strftime("%Y-%m-%d")
     body = f"{begin}\nMeasured {stamp} with `{command}`:\n\n{table}\n{notes}{end}"
     if begin in text:
