@@ -27,7 +27,6 @@ from dispatcher.tenants import Tenants
 class Runtime:
     config: Config
     models: dict[str, ModelConfig]
-    plans: Plans
     # The scripts' calls with this config, as this replica makes them.
     jobs: ApiSide
     tenants: Tenants
@@ -53,7 +52,6 @@ class Runtime:
         return cls(
             config=config,
             models=models,
-            plans=calls.plans,
             jobs=ApiSide(calls, redis, replica_id),
             tenants=tenants,
             callers=callers,
@@ -65,3 +63,8 @@ class Runtime:
     @property
     def calls(self) -> ScriptCalls:
         return self.jobs.calls
+
+    @property
+    def plans(self) -> Plans:
+        """The lanes of each model group under this config (the script calls' own)."""
+        return self.jobs.calls.plans

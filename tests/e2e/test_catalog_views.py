@@ -5,6 +5,7 @@ llama-server in this process, answering /health, /v1/models, /props and /slots).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -536,10 +537,10 @@ def _cache_catalog() -> dict[str, Any]:
             "nodes": [{"id": "n1", "providers": ["warm", "cold", "older"]}], "tenants": []}
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
-def test_ui_page_shows_cache_hit_rates_and_affinity(tmp_path: Path) -> None:
-    """The page against a canned catalog: each provider's cache hit rate, and each model group's
-    affinity (mode, bound, index blocks, decisions and their hit share), or "off"."""
+@contextlib.contextmanager
+def canned_ui_page(catalog: dict[str, Any]) -> Iterator[Any]:
+    """The /ui page in Chromium, its /catalog answered with ``catalog``, once it has drawn it;
+    a missing cell fails fast."""
     from playwright.sync_api import sync_playwright
 
     ui = (Path(__file__).resolve().parents[2] / "api" / "ui.html").read_text()
@@ -549,33 +550,42 @@ def test_ui_page_shows_cache_hit_rates_and_affinity(tmp_path: Path) -> None:
             page = browser.new_page()
             page.route("http://iop.test/ui", lambda route: route.fulfill(body=ui, content_type="text/html"))
             page.route("http://iop.test/catalog", lambda route: route.fulfill(
-                status=200, content_type="application/json", body=json.dumps(_cache_catalog())))
+                status=200, content_type="application/json", body=json.dumps(catalog)))
+            page.set_default_timeout(5_000)
             page.goto("http://iop.test/ui")
             page.wait_for_selector("#status[data-ok='1']", timeout=15_000)
-            cache = {pid: page.locator(f"[data-provider={pid}] [data-testid=cache]").inner_text()
-                     for pid in ("warm", "cold", "older")}
-            assert cache == {"warm": "62%", "cold": NONE, "older": NONE}
-            assert page.locator("[data-provider=warm] [data-testid=cache]").get_attribute("title") == (
-                "623 of 1000 prompt tokens served from its prefix cache")
-            fields = ("mode", "bound", "index", "hit", "miss", "spill", "hit-share")
-            affinity = {m: tuple(page.locator(f"[data-model={m}] [data-testid=affinity-{f}]").inner_text()
-                                 for f in fields) for m in ("pre", "ses")}
-            assert affinity == {"pre": ("prefix", "1.25", "120/10000", "30", "8", "2", "75%"),
-                                "ses": ("session", "2", "0/200000", "0", "0", "0", NONE)}
-            cell = page.locator("[data-model=pre] [data-testid=affinity]").inner_text()
-            assert " ".join(cell.split()) == (
-                "prefix · bound 1.25\u00d7 index 120/10000 blocks hit 30 · miss 8 · spill 2 (75% hits)")
-            for off in ("plain", "old"):
-                assert page.locator(f"[data-model={off}] [data-testid=affinity]").inner_text() == "off"
-                assert page.locator(f"[data-model={off}] [data-testid=affinity-mode]").count() == 0
-            shot = tmp_path / "ui-cache.png"
-            page.screenshot(path=str(shot), full_page=True)
-            for table in page.locator("table:visible").all():
-                box = table.bounding_box()
-                assert box is not None
-                assert box["width"] > 100, box
+            yield page
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_page_shows_cache_hit_rates_and_affinity(tmp_path: Path) -> None:
+    """The page against a canned catalog: each provider's cache hit rate, and each model group's
+    affinity (mode, bound, index blocks, decisions and their hit share), or "off"."""
+    with canned_ui_page(_cache_catalog()) as page:
+        cache = {pid: page.locator(f"[data-provider={pid}] [data-testid=cache]").inner_text()
+                 for pid in ("warm", "cold", "older")}
+        assert cache == {"warm": "62%", "cold": NONE, "older": NONE}
+        assert page.locator("[data-provider=warm] [data-testid=cache]").get_attribute("title") == (
+            "623 of 1000 prompt tokens served from its prefix cache")
+        fields = ("mode", "bound", "index", "hit", "miss", "spill", "hit-share")
+        affinity = {m: tuple(page.locator(f"[data-model={m}] [data-testid=affinity-{f}]").inner_text()
+                             for f in fields) for m in ("pre", "ses")}
+        assert affinity == {"pre": ("prefix", "1.25", "120/10000", "30", "8", "2", "75%"),
+                            "ses": ("session", "2", "0/200000", "0", "0", "0", NONE)}
+        cell = page.locator("[data-model=pre] [data-testid=affinity]").inner_text()
+        assert " ".join(cell.split()) == (
+            "prefix · bound 1.25\u00d7 index 120/10000 blocks hit 30 · miss 8 · spill 2 (75% hits)")
+        for off in ("plain", "old"):
+            assert page.locator(f"[data-model={off}] [data-testid=affinity]").inner_text() == "off"
+            assert page.locator(f"[data-model={off}] [data-testid=affinity-mode]").count() == 0
+        shot = tmp_path / "ui-cache.png"
+        page.screenshot(path=str(shot), full_page=True)
+        for table in page.locator("table:visible").all():
+            box = table.bounding_box()
+            assert box is not None
+            assert box["width"] > 100, box
 
 
 def _limits_catalog() -> dict[str, Any]:
@@ -603,47 +613,33 @@ def _limits_catalog() -> dict[str, Any]:
 def test_ui_page_shows_tenant_rate_limits_and_refusals(tmp_path: Path) -> None:
     """The page against a canned catalog: per tenant, "used / limit" in each window (a dash for
     a window without a limit), the full one marked, its refusals by reason; a dash without limits."""
-    from playwright.sync_api import sync_playwright
-
-    ui = (Path(__file__).resolve().parents[2] / "api" / "ui.html").read_text()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.route("http://iop.test/ui", lambda route: route.fulfill(body=ui, content_type="text/html"))
-            page.route("http://iop.test/catalog", lambda route: route.fulfill(
-                status=200, content_type="application/json", body=json.dumps(_limits_catalog())))
-            page.set_default_timeout(5_000)  # a missing cell fails fast
-            page.goto("http://iop.test/ui")
-            page.wait_for_selector("#status[data-ok='1']", timeout=15_000)
-            assert page.locator("#tenants-section").is_visible()
-            headers = page.locator("[data-testid=tenants] thead th").all_inner_texts()
-            assert [h.lower() for h in headers] == ["tenant", "band", "weight", "queued", "in flight", "limits",
-                                                    "rate limits", "models"]
-            fields = ("limit-rpm", "limit-tpm", "limit-tpd", "refused-requests", "refused-tokens", "refused-budget")
-            values = {t: tuple(page.locator(f"[data-tenant={t}] [data-testid={f}]").inner_text() for f in fields)
-                      for t in ("web", "bulk")}
-            assert values == {"web": ("60 / 60", "3400 / 20000", "51200 / 1000000", "3", "0", "1"),
-                              "bulk": (NONE, "250 / 100000", NONE, "0", "2", "0")}
-            cell = page.locator("[data-tenant=web] [data-testid=rate-limits]").inner_text()
-            assert [" ".join(line.split()) for line in cell.splitlines() if line.strip()] == [
-                "requests/min 60 / 60", "tokens/min 3400 / 20000", "tokens/day 51200 / 1000000",
-                "refused: 3 requests, 0 tokens, 1 budget"]
-            # Only a window used up is marked.
-            full = page.locator("[data-testid=rate-limits] .full")
-            assert [(f.get_attribute("data-testid"), f.inner_text()) for f in full.all()] == [("limit-rpm", "60 / 60")]
-            assert page.locator("[data-tenant=web] [data-testid=limit-tpd]").get_attribute("title") == (
-                "51200 of 1000000 tokens today (UTC)")
-            # The max_queued / max_in_flight limits stay in their own column.
-            assert page.locator("[data-tenant=web] [data-testid=limits]").inner_text() == "in flight ≤ 4"
-            # Without limits (null, or a catalog that does not say): a dash, nothing more.
-            for name in ("eval", "older"):
-                assert page.locator(f"[data-tenant={name}] [data-testid=rate-limits]").inner_text() == NONE
-                assert page.locator(f"[data-tenant={name}] [data-testid^=limit-]").count() == 0
-                assert page.locator(f"[data-tenant={name}] [data-testid^=refused-]").count() == 0
-            page.locator("#tenants-section").screenshot(path=str(tmp_path / "ui-tenant-limits.png"))
-        finally:
-            browser.close()
+    with canned_ui_page(_limits_catalog()) as page:
+        assert page.locator("#tenants-section").is_visible()
+        headers = page.locator("[data-testid=tenants] thead th").all_inner_texts()
+        assert [h.lower() for h in headers] == ["tenant", "band", "weight", "queued", "in flight", "limits",
+                                                "rate limits", "models"]
+        fields = ("limit-rpm", "limit-tpm", "limit-tpd", "refused-requests", "refused-tokens", "refused-budget")
+        values = {t: tuple(page.locator(f"[data-tenant={t}] [data-testid={f}]").inner_text() for f in fields)
+                  for t in ("web", "bulk")}
+        assert values == {"web": ("60 / 60", "3400 / 20000", "51200 / 1000000", "3", "0", "1"),
+                          "bulk": (NONE, "250 / 100000", NONE, "0", "2", "0")}
+        cell = page.locator("[data-tenant=web] [data-testid=rate-limits]").inner_text()
+        assert [" ".join(line.split()) for line in cell.splitlines() if line.strip()] == [
+            "requests/min 60 / 60", "tokens/min 3400 / 20000", "tokens/day 51200 / 1000000",
+            "refused: 3 requests, 0 tokens, 1 budget"]
+        # Only a window used up is marked.
+        full = page.locator("[data-testid=rate-limits] .full")
+        assert [(f.get_attribute("data-testid"), f.inner_text()) for f in full.all()] == [("limit-rpm", "60 / 60")]
+        assert page.locator("[data-tenant=web] [data-testid=limit-tpd]").get_attribute("title") == (
+            "51200 of 1000000 tokens today (UTC)")
+        # The max_queued / max_in_flight limits stay in their own column.
+        assert page.locator("[data-tenant=web] [data-testid=limits]").inner_text() == "in flight ≤ 4"
+        # Without limits (null, or a catalog that does not say): a dash, nothing more.
+        for name in ("eval", "older"):
+            assert page.locator(f"[data-tenant={name}] [data-testid=rate-limits]").inner_text() == NONE
+            assert page.locator(f"[data-tenant={name}] [data-testid^=limit-]").count() == 0
+            assert page.locator(f"[data-tenant={name}] [data-testid^=refused-]").count() == 0
+        page.locator("#tenants-section").screenshot(path=str(tmp_path / "ui-tenant-limits.png"))
 
 
 # --- tenants (flow control) ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ processes.)"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,21 @@ async def until(redis: Redis, pid: str, check: Callable[[dict[str, str]], bool])
         raise AssertionError(f"{pid} never got there: {found}") from None
 
 
+@contextlib.asynccontextmanager
+async def serving(path: Path, raw: dict[str, Any], redis: Redis) -> AsyncIterator[Worker]:
+    """A worker of node n1 running from the config file ``path`` (written with ``raw``), once
+    its provider ``a`` is available; stopped at the end."""
+    await anyio.Path(path).write_text(yaml.safe_dump(raw))
+    worker = Worker(parse(raw).config, "n1", str(path))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        try:
+            await until(redis, "a", lambda h: h.get("health") == "available")
+            yield worker
+        finally:
+            worker.stop()
+
+
 def test_a_worker_for_a_node_the_config_lacks_is_refused(redis_server: RedisServer) -> None:
     config = parse(raw_config(redis_server.url, {"a": 9})).config
     with pytest.raises(ConfigError, match="no node with id 'n9'"):
@@ -82,62 +98,46 @@ async def test_a_reload_swaps_the_runtime_and_tells_redis_what_changed(
     tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int]
 ) -> None:
     path = tmp_path / "iop.yaml"
-    first = raw_config(redis_server.url, {"a": fakes["a"], "b": fakes["b"]})
-    path.write_text(yaml.safe_dump(first))
-    worker = Worker(parse(first).config, "n1", str(path))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        try:
-            await until(redis, "a", lambda h: h.get("health") == "available")
-            await until(redis, "b", lambda h: h.get("health") == "available")
-            old_runtime = worker.runtime
-            old_b = worker.adapters["b"]
-            old_a = worker.adapters["a"]
+    async with serving(path, raw_config(redis_server.url, {"a": fakes["a"], "b": fakes["b"]}), redis) as worker:
+        await until(redis, "b", lambda h: h.get("health") == "available")
+        old_runtime = worker.runtime
+        old_b = worker.adapters["b"]
+        old_a = worker.adapters["a"]
 
-            # a resized, b removed, c added.
-            path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"], "c": fakes["c"]},
-                                                      capacities={"a": 4})))
-            assert await worker.reload()
+        # a resized, b removed, c added.
+        path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"], "c": fakes["c"]},
+                                                  capacities={"a": 4})))
+        assert await worker.reload()
 
-            assert worker.runtime is not old_runtime
-            assert [p.id for p in worker.runtime.node.providers] == ["a", "c"]
-            assert worker.side.calls is worker.runtime.calls  # new plans for the script calls
-            removed = await provider_hash(redis, "b")
-            assert removed["health"] == "unavailable"
-            assert removed["reason"] == "removed from the config"
-            assert removed["removed"] == "1"
-            assert "b" not in worker.adapters
-            assert worker.adapters.for_job("b") is old_b  # what it runs finishes on it
-            assert worker.adapters["a"] is not old_a
-            await until(redis, "a", lambda h: h.get("capacity") == "4")
-            await until(redis, "c", lambda h: h.get("health") == "available")
-            # b stays as the reload left it: nothing heartbeats it any more.
-            for _ in range(3):
-                beat = (await provider_hash(redis, "a"))["hb_ms"]
-                await until(redis, "a", lambda h, beat=beat: h["hb_ms"] != beat)  # type: ignore[misc]
-            assert (await provider_hash(redis, "b"))["removed"] == "1"
-        finally:
-            worker.stop()
+        assert worker.runtime is not old_runtime
+        assert [p.id for p in worker.runtime.node.providers] == ["a", "c"]
+        assert worker.side.calls is worker.runtime.calls  # new plans for the script calls
+        removed = await provider_hash(redis, "b")
+        assert removed["health"] == "unavailable"
+        assert removed["reason"] == "removed from the config"
+        assert removed["removed"] == "1"
+        assert "b" not in worker.adapters
+        assert worker.adapters.for_job("b") is old_b  # what it runs finishes on it
+        assert worker.adapters["a"] is not old_a
+        await until(redis, "a", lambda h: h.get("capacity") == "4")
+        await until(redis, "c", lambda h: h.get("health") == "available")
+        # b stays as the reload left it: nothing heartbeats it any more.
+        for _ in range(3):
+            beat = (await provider_hash(redis, "a"))["hb_ms"]
+            await until(redis, "a", lambda h, beat=beat: h["hb_ms"] != beat)  # type: ignore[misc]
+        assert (await provider_hash(redis, "b"))["removed"] == "1"
 
 
 async def test_a_reload_without_the_node_changes_nothing(
     tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int]
 ) -> None:
     path = tmp_path / "iop.yaml"
-    first = raw_config(redis_server.url, {"a": fakes["a"]})
-    path.write_text(yaml.safe_dump(first))
-    worker = Worker(parse(first).config, "n1", str(path))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker.run)
-        try:
-            await until(redis, "a", lambda h: h.get("health") == "available")
-            before = worker.runtime
-            path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"]}, node="other")))
-            assert not await worker.reload()
-            assert worker.runtime is before
-            assert "a" in worker.adapters
-        finally:
-            worker.stop()
+    async with serving(path, raw_config(redis_server.url, {"a": fakes["a"]}), redis) as worker:
+        before = worker.runtime
+        path.write_text(yaml.safe_dump(raw_config(redis_server.url, {"a": fakes["a"]}, node="other")))
+        assert not await worker.reload()
+        assert worker.runtime is before
+        assert "a" in worker.adapters
 
 
 async def test_a_worker_without_a_config_file_does_not_reload(redis_server: RedisServer) -> None:
