@@ -42,7 +42,11 @@ class CancelListener:
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self._runs.cancel(message["data"].decode())
-            except RedisError as exc:
+            except (RedisError, OSError, RuntimeError) as exc:
+                # RuntimeError too: redis-py's pubsub reconnects inside listen(), and when the
+                # server dies at that moment uvloop refuses the write on the closed transport
+                # ("the handler is closed") with a RuntimeError, not a ConnectionError. Seen
+                # in the chaos soak: uncaught, it ended the worker.
                 log.warning("cancel channel lost: %s", exc)
             finally:
                 with anyio.CancelScope(shield=True):

@@ -100,3 +100,37 @@ async def test_the_listener_subscribes_again_after_losing_its_connection(
     running = runs.start(job("j1"))
     await redis.publish(keys.cancel_channel(NODE), "j1")
     await until(lambda: running.abort_reason is not None)
+
+
+class _BrokenOnce:
+    """A pubsub whose first listen fails as uvloop fails a write on a transport the server
+    closed (a RuntimeError, which redis-py does not turn into a ConnectionError)."""
+
+    failures = 1
+
+    async def subscribe(self, channel: str) -> None:
+        pass
+
+    async def listen(self) -> AsyncIterator[dict[str, object]]:
+        if _BrokenOnce.failures:
+            _BrokenOnce.failures -= 1
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+        await anyio.sleep_forever()
+        yield {}
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _BrokenRedis:
+    def pubsub(self) -> _BrokenOnce:
+        return _BrokenOnce()
+
+
+async def test_a_transport_error_while_reconnecting_does_not_end_the_listener() -> None:
+    subscriptions = Subscriptions()
+    listener = CancelListener(_BrokenRedis(), NODE, Runs(keep_s=60), subscriptions.renew_now)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.run)
+        await subscriptions.until(2)  # subscribed again after the failure
+        tg.cancel_scope.cancel()
