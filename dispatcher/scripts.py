@@ -1,9 +1,14 @@
 """The Lua scripts of ``lua/``, loaded once and called by SHA.
 
 One script per decision; each file's header lists its KEYS, ARGV and return value.
-Helpers several scripts share live in ``lua/lib/`` and are pulled in by a line
-``--!include lib/NAME.lua`` -- Redis 6.2 has no function libraries, and this keeps
-every script a static file rather than text assembled at run time.
+Helpers several scripts share live in ``lua/lib/``, one function (or one tightly bound
+group) per file, and are pulled in by a line ``--!include lib/NAME.lua`` (a path under
+``lua/``) -- Redis 6.2 has no function libraries, and this keeps every script static
+files rather than text assembled at run time. A file names what it uses itself, at its
+top; includes resolve recursively, as BullMQ's script loader does: each file's line is
+replaced by that file, its own includes already in its place, and a file already in the
+script is not included again. So a file's includes come before its own text, as Lua's
+locals must be defined before use.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from dispatcher.exceptions import IopError
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
@@ -35,11 +41,38 @@ def lua_dir() -> Path:
     raise FileNotFoundError("cannot find the lua/ scripts next to the dispatcher package")
 
 
+class IncludeError(IopError):
+    """A script's includes cannot be resolved: a cycle, or a file that is not there."""
+
+
+def resolve(root: Path, path: str) -> str:
+    """The text of ``root / path`` as Redis runs it: every include resolved, each file once."""
+    done: set[str] = set()
+
+    def expand(path: str, chain: tuple[str, ...]) -> str:
+        text = (root / path).read_text()
+
+        def include(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name in chain:
+                raise IncludeError(f"include cycle: {' -> '.join((*chain, name))}")
+            if name in done:
+                return ""
+            if not (root / name).is_file():
+                line = text.count("\n", 0, m.start()) + 1
+                raise IncludeError(f"{path}:{line} includes {name}, which is not in {root}")
+            resolved = expand(name, (*chain, name))
+            done.add(name)
+            return resolved
+
+        return _INCLUDE.sub(include, text)
+
+    return expand(path, (path,))
+
+
 @cache
 def source(name: str) -> str:
-    root = lua_dir()
-    text = (root / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: (root / m.group(1)).read_text(), text)
+    return resolve(lua_dir(), f"{name}.lua")
 
 
 class Script:
