@@ -6,7 +6,7 @@
 -- KEYS[6]    the job's replica job set
 -- KEYS[7]    the tenants hash (flow control's counters, lib/jobs.lua)
 -- KEYS[8]    the tenant limits hash (tenant -> max_in_flight)
--- KEYS[9]    the index of lanes that hold jobs (lib/pump.lua)
+-- KEYS[9]    the index of lanes that hold jobs (lib/lanes_with_jobs.lua)
 -- ARGV[1]    job id
 -- ARGV[2]    reason: 'timeout' (queue deadline; a dispatched job keeps running)
 --                    | 'client' (the caller left: a running job is aborted too)

@@ -1,20 +1,21 @@
 -- drain: an operator stops, or lets again, new dispatch to one provider across the fleet
 -- (dispatcher/control.py). The mark is the provider hash's field 'drain', the server ms it
--- was set: lib/pump.lua hands a marked provider nothing new, while the jobs it runs finish
--- and release as usual. Heartbeats write only the fields they are given, so the mark
--- outlives them (and a mark set before the provider's first heartbeat holds from its start).
+-- was set: the pump hands a marked provider nothing new (lib/takes_work.lua), while the
+-- jobs it runs finish and release as usual. Heartbeats write only the fields they are
+-- given, so the mark outlives them (and a mark set before the provider's first heartbeat
+-- holds from its start).
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    provider hash   KEYS[..] plan keys of the provider's lanes
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    'drain': set the mark (one already set keeps its time)
 --            | 'resume': clear it, then pump the provider's lanes, so waiting jobs take its
 --            free slots now rather than at its next heartbeat
 -- ARGV[5]    refusal options, JSON (dispatcher/wire.py Refusal): a drain that leaves a lane
---            with no provider answers its waiting jobs at once (lib/pump.lua refuse_unavailable)
+--            with no provider answers its waiting jobs at once (lib/refuse_unavailable.lua)
 -- Returns {mark ('' when open), in_flight, jobs dispatched}
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/refuse_plan.lua
 --!include lib/pump.lua
 
 local PROVIDER = KEYS[6]

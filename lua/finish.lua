@@ -4,12 +4,12 @@
 -- Fenced: a worker whose dispatch was taken over (its lease expired) changes nothing
 -- but its own delivery's acknowledgement.
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
 -- KEYS[9]    provider hash   KEYS[10] the job's lane queue
 -- KEYS[11]   the tenants' rate limits and budgets (lib/limits.lua)
 -- KEYS[..]   plan keys of the provider's lanes
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
 -- ARGV[7]    consumer group     ARGV[8] final event ('' = none: nobody is listening)
 -- ARGV[9]    reply stream TTL ms
@@ -31,7 +31,9 @@
 -- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
 -- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/released.lua
+--!include lib/other_candidate.lua
+--!include lib/settle_lost.lua
 --!include lib/pump.lua
 --!include lib/limits.lua
 

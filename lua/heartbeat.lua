@@ -1,19 +1,19 @@
 -- heartbeat: a worker publishes one provider's description and probed health, then pumps
 -- the provider's lanes (a provider that just became available takes waiting jobs), or,
 -- when it is not available, answers the jobs waiting in lanes it leaves with no provider
--- at all (lib/pump.lua refuse_unavailable).
+-- at all (lib/refuse_unavailable.lua).
 -- in_flight is never written here: only dispatch and release move it.
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    provider hash   KEYS[..] plan keys of the provider's lanes
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    health: 'available' | 'unavailable'
 -- ARGV[5]    heartbeat TTL ms: the provider is not chosen once it passes
 -- ARGV[6]    refusal options, JSON (dispatcher/wire.py Refusal)
 -- ARGV[7..]  field, value, ... (node, type, category, capacity, models, probe reason, ...)
 -- Returns the number of jobs dispatched (available) or refused (not)
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/refuse_plan.lua
 --!include lib/pump.lua
 
 local PROVIDER = KEYS[6]

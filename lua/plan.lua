@@ -1,7 +1,7 @@
 -- plan: write a dispatch plan into Redis (dispatcher/plans.py), for the scripts that pump
--- its lanes (lib/pump.lua reads it by the key they are given). A plan's key is named after
--- a digest of its content, so plans of different configs (replicas not yet reloaded) live
--- side by side, and writing one again changes nothing.
+-- its lanes (lib/dispatch_plan.lua reads it by the key they are given). A plan's key is
+-- named after a digest of its content, so plans of different configs (replicas not yet
+-- reloaded) live side by side, and writing one again changes nothing.
 --
 -- KEYS[1] the plan hash: '' -> header, <queue key> -> lane (dispatcher/wire.py)
 -- KEYS[2] the set of its lanes' queue keys

@@ -5,11 +5,11 @@
 -- A round that lost sight of Redis after it began (the marker reap_round set is old)
 -- judges nothing: the next round's reap_round first gives every lease a fresh period.
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
 -- KEYS[9]    provider hash   KEYS[10] the job's lane queue   KEYS[11] last-round marker
 -- KEYS[..]   plan keys of the provider's lanes
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    job id     ARGV[5] consumer group     ARGV[6] max attempts
 -- ARGV[7]    error event for the client     ARGV[8] reply stream TTL ms
 -- ARGV[9]    gap ms (see reap_round.lua)     ARGV[10] requeued event for the client
@@ -17,7 +17,8 @@
 -- 'requeued' | 'failed' | 'dropped' | 'skip' (lease is
 -- live, or the round is stale)
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/released.lua
+--!include lib/settle_lost.lua
 --!include lib/pump.lua
 
 local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]

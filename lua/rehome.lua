@@ -5,14 +5,14 @@
 -- or fair tags on the band's clock) is kept; its record names its new lane. Then the new
 -- lane is pumped, as a submit would be.
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    the old queue   KEYS[7] the new queue (the plan's lane)
 -- KEYS[..]   plan keys of the new lane
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    the new lane's name     ARGV[5..] job ids
 -- Returns {moved, dispatched}; a job no longer waiting in the old queue is left alone
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/enqueue.lua
 --!include lib/pump.lua
 
 local OLD, NEW = KEYS[6], KEYS[7]

@@ -1,14 +1,14 @@
 -- submit: put a job in its lane's queue (dispatcher/plans.py), then pump that lane.
 -- A free slot means the job is dispatched in this same call. The plan is the lane's own
--- (one lane: PLAN.only, lib/pump.lua).
+-- (one lane: PLAN.only, lib/dispatch_plan.lua).
 --
--- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/pump.lua)
+-- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    seq counter: global submit order, so heads of different lanes compare exactly
 -- KEYS[7]    the lane's queue zset (job id -> seq)
 -- KEYS[8]    the replica's job set (so the reaper can cancel a dead replica's jobs)
 -- KEYS[9]    the tenants' rate limits and budgets (lib/limits.lua)
 -- KEYS[..]   plan keys of the lane (from ARGV[2] on)
--- ARGV[1..3] plan id, plan key offset, lease ms (see lib/pump.lua)
+-- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    options, JSON (dispatcher/wire.py SubmitOptions):
 --              job, model, replica, endpoint, stream (0/1), lane ('' for the lane of all the
 --              model's providers), timeout_ms (queue), max_queue,
@@ -18,7 +18,7 @@
 --                max_queued (0: none); the job id is '<tenant>~<id>'
 --              limits (a tenant with rate limits or a budget): wire.Limits, lib/limits.lua
 --              predict_ms: refuse a job that would wait, when its place in the queue and
---                the lane's drain interval (lib/pump.lua drain_interval) say it would
+--                the lane's drain interval (lib/drain_rate.lua drain_interval) say it would
 --                wait longer than this 1 time in 20 (the caller's deadline, or the
 --                model's refuse_predicted_over_ms)
 -- ARGV[5]    request body
@@ -33,7 +33,10 @@
 --   limits: the tenant's windows after this submit, JSON (lib/limits.lua admit_limits; ''
 --   without limits)
 --!include lib/jobs.lua
---!include lib/parking.lua
+--!include lib/dispatch_plan.lua
+--!include lib/num.lua
+--!include lib/unavailable_lane.lua
+--!include lib/drain_rate.lua
 --!include lib/pump.lua
 --!include lib/limits.lua
 
@@ -110,7 +113,7 @@ pump(now)
 local waiting = redis.call('ZCARD', QUEUE)
 local in_queue = redis.call('ZSCORE', QUEUE, job)
 if not in_queue and FAIR ~= nil and PLAN.capped and (get_record(job) or {}).state == 'q' then
-  -- Parked by that pump (its tenant at its max_in_flight: lib/pump.lua park_job): it waits
+  -- Parked by that pump (its tenant at its max_in_flight: lib/park_job.lua): it waits
   -- too, with its deadline.
   return {'queued', waiting, deadline, now, '', limited}
 end
@@ -148,11 +151,11 @@ if in_queue then
   end
   if why ~= nil then
     -- Held through a restart (the lane's hold_when_unavailable_ms): refused once the hold
-    -- is over and still no provider is up (lib/pump.lua refuse_unavailable).
+    -- is over and still no provider is up (lib/refuse_unavailable.lua).
     rec.hold_until_ms = now + LANE.hold_ms
     put_record(job, rec)
   end
-  -- It waits: its lane goes in the index of lanes that hold jobs (lib/pump.lua enqueue;
+  -- It waits: its lane goes in the index of lanes that hold jobs (lib/enqueue.lua;
   -- one dispatched at once needs no mark).
   redis.call('SADD', WAITING, QUEUE)
   return {'queued', waiting, deadline, now, '', limited}

@@ -1,4 +1,6 @@
 -- Job records and slots: helpers shared by the scripts (included by scripts.py, never run alone).
+-- A group, not a file per function: the four keys every script takes first, and the small
+-- helpers over a job's record and slot that most scripts use together.
 --
 -- Every script that includes this file takes these first:
 --   KEYS[1] jobs hash      job id -> JSON record (state, model, replica, provider, fence, ...)
@@ -12,7 +14,7 @@
 local JOBS, BODIES, LEASES, DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 -- With flow control, the tenants hash: q:<tenant> and q:<tenant>:<model> count waiting
 -- jobs, r:... running ones. A script that moves jobs of tenants names it once, at its top
--- (counts_in; lib/pump.lua does from its plan); until then nothing is counted.
+-- (counts_in; lib/dispatch_plan.lua does from its plan); until then nothing is counted.
 local TENANTS = nil
 local function counts_in(key)
   TENANTS = key

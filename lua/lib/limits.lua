@@ -13,6 +13,10 @@
 -- spaces units 60000 / N ms apart, and admits a request while the theoretical arrival time
 -- it would leave is at most a minute ahead: a sliding window, a minute's worth at most at
 -- once, never the 2x of fixed buckets at their boundary.
+--
+-- A group, not a file per function: admit_limits and settle_limits read and write one
+-- hash's fields through the same four helpers, which nothing else uses.
+--!include lib/jobs.lua
 
 local WINDOW_MS = 60000
 

@@ -1,5 +1,6 @@
--- Parking (flow control), shared by lib/pump.lua and cancel.lua (included after
--- lib/jobs.lua, never run alone).
+-- Parking (flow control), shared by the pump (lib/park_job.lua, lib/released.lua) and
+-- cancel.lua (never run alone). A group of three, not three files: one key layout, written
+-- by park and read back by the two unparks.
 --
 -- A tenant at its max_in_flight cannot run the jobs it has waiting, so they leave their lane
 -- for the tenant's parked set of that lane (key <prefix><tenant>|<lane key>, score their
@@ -13,10 +14,12 @@
 -- unpark_lane), so a tenant under its cap never has only parked jobs in a lane. A parked
 -- job keeps its record, deadline and counters; one cancelled or expired meanwhile is
 -- dropped when it comes back.
+--!include lib/jobs.lua
+--!include lib/tenant_of.lua
 
 -- Park job `job` (score `tag`, as Redis stores it) of lane queue `qkey`.
 local function park(prefix, qkey, job, tag)
-  local t = string.match(job, '^(.-)~') or 'default'
+  local t = tenant_of(job)
   redis.call('ZREM', qkey, job)
   redis.call('ZADD', prefix .. t .. '|' .. qkey, tag, job)
   redis.call('SADD', prefix .. t, qkey)

@@ -1,6 +1,6 @@
 """How ``dispatcher/scripts.py`` resolves ``--!include`` lines: recursively, each file once,
 a file's includes before its own text; a cycle or a missing file is an error that names
-where it is. Against small trees of files of its own."""
+where it is. Against small trees of files of its own, then the real ``lua/``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dispatcher import scripts
 from dispatcher.scripts import IncludeError, resolve
 
 
@@ -74,3 +75,22 @@ def test_an_include_line_is_a_whole_line(tmp_path: Path) -> None:
     # Mentioned in a comment or indented, it is text like any other.
     root = tree(tmp_path, {"s.lua": "-- see --!include lib/a.lua\n  --!include lib/a.lua\n"})
     assert resolve(root, "s.lua") == "-- see --!include lib/a.lua\n  --!include lib/a.lua\n"
+
+
+@pytest.mark.parametrize("name", scripts.NAMES)
+def test_every_script_resolves_with_each_function_defined_once(name: str) -> None:
+    text = scripts.source(name)
+    assert "--!include" not in text
+    defined = [line.split("(")[0] for line in text.splitlines() if line.startswith("local function ")]
+    assert len(defined) == len(set(defined)), sorted(d for d in defined if defined.count(d) > 1)
+
+
+def test_a_script_has_what_its_includes_include() -> None:
+    # finish.lua names lib/pump.lua; pump names lib/dispatch.lua, which names lib/route.lua ...
+    text = scripts.source("finish")
+    for function in ("local function pump(", "local function dispatch(", "local function route(",
+                     "local function pick(", "local function takes_work(", "local function get_record("):
+        assert function in text
+    assert text.index("local function takes_work(") < text.index("local function pick(") \
+        < text.index("local function route(") < text.index("local function dispatch(") \
+        < text.index("local function pump(")

@@ -17,10 +17,11 @@ TABLES = [
     ("heartbeat", "refusal", wire.Refusal),
     ("refuse", "refusal", wire.Refusal),
     ("drain", "refusal", wire.Refusal),
-    # The dispatch plan: every pumping script includes lib/pump.lua, which reads it.
-    ("finish", "PLAN", wire.PlanHeader),
-    ("finish", "lane", wire.LaneSpec),
-    ("finish", "cand", wire.Candidate),
+    # The dispatch plan: heartbeat both pumps (lib/pump.lua) and refuses (lib/refuse_plan.lua),
+    # which between them read all of it.
+    ("heartbeat", "PLAN", wire.PlanHeader),
+    ("heartbeat", "lane", wire.LaneSpec),
+    ("heartbeat", "cand", wire.Candidate),
 ]
 
 

@@ -1,0 +1,40 @@
+-- Dispatch job `job` (record `rec`) of `lane` to candidate `cand`, as lib/route.lua chose:
+-- out of its queue, a fence, a lease, its provider's in_flight (in Redis and in the pump()
+-- call's view, `ctx`: lib/pump.lua), the clocks and counters of flow control
+-- (lib/dispatched.lua), the queue's drain rate if it waited (lib/drain_rate.lua), an entry
+-- on its node's stream, and its record.
+--!include lib/jobs.lua
+--!include lib/dispatch_plan.lua
+--!include lib/queue_of.lua
+--!include lib/drain_rate.lua
+--!include lib/dispatched.lua
+--!include lib/provider_state.lua
+
+local function assign(ctx, job, rec, lane, cand)
+  local qkey, now = queue_of(lane), ctx.now
+  local pkey, nkey = KEYS[BASE + cand.provider_key], KEYS[BASE + cand.node_key]
+  redis.call('ZREM', qkey, job)
+  -- Never below ten per millisecond of server time: a failover that loses the last
+  -- writes rolls the counter back, and a fence handed out again would let a run the new
+  -- primary forgot pass for the one it dispatches now. (14 digits: exact in cjson.)
+  local fence = redis.call('INCR', FENCE)
+  if fence < now * 10 then
+    fence = now * 10
+    redis.call('SET', FENCE, fence)
+  end
+  redis.call('ZREM', DEADLINES, job)
+  if rec.submitted_ms < now then note_drain(qkey, now) end
+  dispatched(ctx, rec, lane)
+  redis.call('HINCRBY', pkey, 'in_flight', 1)
+  provider_state(ctx, pkey).inf = provider_state(ctx, pkey).inf + 1
+  redis.call('ZADD', LEASES, now + LEASE_MS, job)
+  local body = redis.call('HGET', BODIES, job) or ''
+  -- The node stream entry (dispatcher/events.py Assignment, by the same names).
+  local entry = redis.call('XADD', nkey, '*',
+    'job', job, 'fence', fence, 'provider', cand.provider, 'target', cand.served, 'model', lane.model,
+    'lane', lane.name, 'replica', rec.replica, 'endpoint', rec.endpoint, 'stream', rec.stream,
+    'attempt', rec.attempt, 'submitted_ms', rec.submitted_ms, 'dispatched_ms', now, 'body', body)
+  rec.state, rec.provider, rec.node, rec.target, rec.fence = 'd', cand.provider, cand.node, cand.served, fence
+  rec.entry_id, rec.dispatched_ms, rec.output_started = entry, now, 0
+  put_record(job, rec)
+end

@@ -1,0 +1,34 @@
+-- The head to dispatch next across `lanes` and the candidate it is offered (nil: none this
+-- call): the first of the lanes' heads in the ordering (lib/before.lua) whose lane has a
+-- candidate with a free slot (lib/pick.lua). Each lane's head is read once per pump() call
+-- (`ctx`, lib/pump.lua) and again only after the lane gave one up: ctx.heads[i] is lane i's
+-- head {lane, job, score, i}; nil: to be read; false: nothing more this call (empty, or no
+-- free provider may take its jobs). A head held for its busy home keeps the slot from the
+-- lanes of later bands (ctx.held_band).
+--!include lib/pick.lua
+--!include lib/head.lua
+--!include lib/may_run.lua
+--!include lib/before.lua
+
+local function next_head(ctx, lanes)
+  local heads, best, best_cand = ctx.heads, nil, nil
+  for i, lane in ipairs(lanes) do
+    local h = heads[i]
+    if ctx.held_band ~= nil and lane.band > ctx.held_band then h = false end
+    if h and not may_run(ctx, h.job) then h = nil end  -- its tenant reached its cap meanwhile
+    if h == nil then
+      local job, score = head(ctx, lane, ctx.skips[i] or 0)
+      h = job and {lane = lane, job = job, score = score, i = i} or false
+      heads[i] = h
+    end
+    if h then
+      local cand = pick(ctx, lane, nil)
+      if cand == nil then
+        heads[i] = false  -- a dispatch only fills providers: none frees up this call
+      elseif best == nil or before(h, best) then
+        best, best_cand = h, cand
+      end
+    end
+  end
+  return best, best_cand
+end

@@ -1,0 +1,9 @@
+-- The one health predicate: can provider hash `v` (HMGET of health, hb_exp, capacity,
+-- drain, in that order) take work now -- healthy, heard from, a capacity, not drained by
+-- an operator (lua/drain.lua)? dispatcher/catalog.py classify says the same in Python.
+-- Its readers: lib/provider_state.lua (a pump's view) and lib/provider_ok.lua (one look).
+
+local function takes_work(v, now)
+  return v[1] == 'available' and (tonumber(v[2]) or 0) >= now and (tonumber(v[3]) or 0) > 0
+    and (v[4] or '') == ''
+end
