@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from dispatcher.catalog import Catalog
 from dispatcher.events import Usage
 from dispatcher.tracing import RequestTrace
+from dispatcher.wire import EJECTION_KINDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -146,6 +147,26 @@ class _CatalogCollector(Collector):
         tokens_rate = GaugeMetricFamily("iop_provider_tokens_per_second",
                                         "Completion tokens per second over about the last 10 s, all workers",
                                         labels=labels)
+        ejected = GaugeMetricFamily("iop_provider_ejected",
+                                    "1 while the provider is out of rotation for its 5xx answers, 0.5 on trial",
+                                    labels=labels)
+        ejections = CounterMetricFamily("iop_provider_ejections",
+                                        "Ejections of the provider for its 5xx answers, by reason",
+                                        labels=[*labels, "reason"])
+        learned = GaugeMetricFamily("iop_provider_capacity_learned",
+                                    "1 when the provider's capacity is learned (capacity: auto)", labels=labels)
+        external = GaugeMetricFamily("iop_provider_external_load",
+                                     "What its engine runs and queues beyond iop's in_flight there", labels=labels)
+        engine_running = GaugeMetricFamily("iop_provider_engine_running", "Requests its engine reports running",
+                                           labels=labels)
+        engine_waiting = GaugeMetricFamily("iop_provider_engine_waiting", "Requests its engine reports queued",
+                                           labels=labels)
+        kv_usage = GaugeMetricFamily("iop_provider_engine_kv_usage", "Its engine's KV cache use, 0-1", labels=labels)
+        paused = GaugeMetricFamily("iop_provider_rate_limited",
+                                   "1 while its upstream's rate limit keeps new requests off it", labels=labels)
+        excused = CounterMetricFamily("iop_provider_excused_5xx",
+                                      "5xx answers not held against the provider: another provider answered the "
+                                      "same request 5xx too", labels=labels)
         for p in self.catalog.providers:
             values = [p.id, p.node_id, p.type, p.category]
             in_flight.add_metric(values, p.in_flight)
@@ -156,13 +177,31 @@ class _CatalogCollector(Collector):
             tokens_rate.add_metric(values, p.tokens_per_s)
             for state in ("available", "unavailable", "unknown"):
                 health.add_metric([*values, state], 1 if p.health == state else 0)
+            ej = p.ejection
+            ejected.add_metric(values, 0 if ej is None else 1 if ej.state == "ejected" else 0.5)
+            evidence = p.evidence
+            for kind in EJECTION_KINDS:
+                ejections.add_metric([*values, kind], evidence.ejections.get(kind, 0) if evidence else 0)
+            excused.add_metric(values, evidence.excused_5xx if evidence else 0)
+            learned.add_metric(values, 1 if p.capacity_mode == "auto" else 0)
+            external.add_metric(values, p.external_load)
+            paused.add_metric(values, 1 if p.rate_limited else 0)
+            e = p.engine
+            if e is not None:  # absent, not 0, where the engine says nothing
+                if e.running is not None:
+                    engine_running.add_metric(values, e.running)
+                if e.waiting is not None:
+                    engine_waiting.add_metric(values, e.waiting)
+                if e.kv_usage is not None:
+                    kv_usage.add_metric(values, e.kv_usage)
         queued = GaugeMetricFamily("iop_model_queued", "Jobs waiting in the model group's queue", labels=["model"])
         oldest = GaugeMetricFamily("iop_model_oldest_wait_seconds", "Age of the oldest waiting job",
                                    labels=["model"])
         for m in self.catalog.models:
             queued.add_metric([m.id], m.queued)
             oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
-        yield from (in_flight, capacity, up, health, queued_p, draining, tokens_rate, queued, oldest)
+        yield from (in_flight, capacity, up, health, queued_p, draining, tokens_rate, ejected, ejections, excused,
+                    learned, external, engine_running, engine_waiting, kv_usage, paused, queued, oldest)
         yield from self._affinity()
         yield from self._tenants()
 

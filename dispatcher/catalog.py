@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any, cast
 
 import msgspec
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
@@ -64,6 +65,60 @@ class ProviderView(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_hit_rate: float | None = None
+    # Out of rotation, or on trial, for its 5xx answers (None: in rotation).
+    ejection: EjectionView | None = None
+    evidence: EvidenceView | None = None
+    # How ``capacity`` (the limit in force) is set: "fixed" (the config's) or "auto"
+    # (learned: workers/capacity.py), within ``capacity_bounds``, and why it last moved.
+    capacity_mode: str = "fixed"
+    capacity_bounds: list[int] | None = None
+    capacity_reason: str = ""
+    # When the learned limit moved, and to what: [server ms, limit], oldest first.
+    capacity_history: list[list[int]] = []
+    engine: EngineView | None = None
+    # What its engine runs and queues beyond iop's in_flight there: load iop does not send,
+    # counted against it in routing (``load_ratio`` includes it).
+    external_load: int = 0
+    rate_limited: RateLimitView | None = None
+    # The median time of its recent calls, ms (what deadlines are predicted from).
+    service_ms: float | None = None
+
+
+class EjectionView(msgspec.Struct):
+    """A provider's ejection for its 5xx answers (``ejection`` in the config; README
+    "Health"): ``state`` "ejected" until ``until_ms`` (UTC ms), then "on_trial" (one request
+    at a time) until one is answered; None once it is fully back."""
+
+    state: str  # ejected | on_trial
+    reason: str
+    until_ms: int
+
+
+class EvidenceView(msgspec.Struct):
+    """What iop holds against a provider's 5xx answers: its streak (5xx counted against it
+    since it last answered), the 5xx excused (another provider answered the same request
+    5xx too: the request's fault), and its ejections so far by kind."""
+
+    streak_5xx: int
+    excused_5xx: int
+    ejections: dict[str, int]
+
+
+class EngineView(msgspec.Struct):
+    """What the provider's engine last said of its own load (workers/engine_metrics.py); None
+    where it does not say. ``age_ms``: how old that reading is now."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    age_ms: int
+
+
+class RateLimitView(msgspec.Struct):
+    """Nothing new goes to the provider until ``until_ms`` (UTC ms): its upstream said so."""
+
+    until_ms: int
+    reason: str
 
 
 class CandidateView(msgspec.Struct):
@@ -150,7 +205,9 @@ class Catalog(msgspec.Struct):
 
 
 def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
-    """(health, reason) of a provider's Redis hash, by the dispatcher's own rule."""
+    """(health, reason) of a provider's Redis hash, by the dispatcher's own rule. An
+    ejected provider is unavailable, saying why and until when (a lane with no other
+    provider that can take work still uses it: lua/lib/pump.lua)."""
     if "hb_ms" not in fields:
         return "unknown", "never seen: no heartbeat from its worker yet"
     if int(fields.get("hb_exp", 0)) < now_ms:
@@ -160,7 +217,28 @@ def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
         return "unavailable", fields.get("reason") or "reported unavailable"
     if int(fields.get("capacity", 0)) <= 0:
         return "unavailable", "capacity 0"
+    ej = wire.ejection_state(fields)
+    if ej.ejected(now_ms):
+        return "unavailable", f"ejected: {ej.reason}; on trial again at {clock(ej.until_ms or 0)}"
+    if ej.on_trial(now_ms):
+        return "available", f"on trial after an ejection ({ej.reason}): one request at a time until one is answered"
     return "available", ""
+
+
+def clock(ms: int) -> str:
+    """A server time as an operator reads it in a reason: ``12:03:10 UTC``."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(ms / 1000))
+
+
+def _ejection(fields: dict[str, str], now_ms: int) -> tuple[EjectionView | None, EvidenceView | None]:
+    ej = wire.ejection_state(fields)
+    view = None
+    if ej.ejected(now_ms) or ej.on_trial(now_ms):
+        view = EjectionView("ejected" if ej.ejected(now_ms) else "on_trial", ej.reason, ej.until_ms or 0)
+    evidence = None
+    if ej.streak or ej.excused or any(ej.ejections.values()):
+        evidence = EvidenceView(ej.streak, ej.excused, ej.ejections)
+    return view, evidence
 
 
 TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket
@@ -246,6 +324,9 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         pipe.time()
         for _, prov in providers:
             pipe.hgetall(keys.provider(prov.id))
+        learning = [prov for _, prov in providers if prov.auto]
+        for prov in learning:
+            pipe.lrange(keys.capacity_history(prov.id), 0, -1)
         for _, queue in lanes:
             pipe.zcard(queue)
             pipe.zrange(queue, 0, 0, withscores=True)
@@ -272,6 +353,9 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         {k.decode(): v.decode() for k, v in cast(dict[bytes, bytes], h).items()}
         for h in replies[1 : 1 + len(providers)]
     ]
+    histories = {prov.id: _history(raw) for prov, raw in
+                 zip(learning, replies[1 + len(providers):1 + len(providers) + len(learning)], strict=True)}
+    del replies[1 + len(providers):1 + len(providers) + len(learning)]
     queue_replies = replies[1 + len(providers) : 1 + len(providers) + 2 * len(lanes)]
     queued = {m.id: 0 for m in config.models}
     head_seq: dict[str, tuple[float, str]] = {}
@@ -299,7 +383,8 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
 
     views: dict[str, ProviderView] = {}
     for (node_id, prov), fields in zip(providers, hashes, strict=True):
-        views[prov.id] = _provider_view(node_id, prov, fields, now, groups_of.get(prov.id, []), queued)
+        views[prov.id] = _provider_view(node_id, prov, fields, now, groups_of.get(prov.id, []), queued,
+                                        histories.get(prov.id, []))
 
     models = []
     for model in config.models:
@@ -308,9 +393,11 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             for pid, served in model.providers.items()
             if (v := views.get(pid)) is not None
         ]
-        # A drained provider's slots are not the group's: nothing new goes there.
-        free = sum(max(c.capacity - c.in_flight, 0) for c in cands
-                   if c.health == "available" and views[c.provider].drain is None)
+        # A drained provider's slots are not the group's: nothing new goes there; one on
+        # trial after an ejection takes one request at a time.
+        free = sum(max(_slots_now(c.capacity, views[c.provider]) - c.in_flight - views[c.provider].external_load, 0)
+                   for c in cands if c.health == "available" and views[c.provider].drain is None
+                   and views[c.provider].rate_limited is None)
         uses = [TenantUse(t.name, counters.get(f"q:{t.name}:{model.id}", 0), counters.get(f"r:{t.name}:{model.id}", 0))
                 for t in tenants]
         uses = [u for u in uses if u.queued or u.in_flight]
@@ -334,6 +421,11 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     tenant_views = [v for v in tenant_views
                     if v.name != DEFAULT_TENANT or default_configured or v.queued or v.in_flight]
     return Catalog(now, list(views.values()), models, nodes, tenant_views)
+
+
+def _slots_now(capacity: int, view: ProviderView) -> int:
+    """The slots dispatch fills on a provider now: its capacity, one while it is on trial."""
+    return min(capacity, 1) if view.ejection is not None and view.ejection.state == "on_trial" else capacity
 
 
 def _limits_view(t: Tenant, state: dict[str, str], now: int) -> TenantLimitsView | None:
@@ -369,17 +461,46 @@ def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
     return out
 
 
+def _history(raw: list[bytes]) -> list[list[int]]:
+    """``lua/capacity.lua``'s '<ms>:<limit>' entries."""
+    out = []
+    for entry in raw:
+        at, _, limit = entry.decode().partition(":")
+        if at.isdigit() and limit.isdigit():
+            out.append([int(at), int(limit)])
+    return out
+
+
+def _engine_view(fields: dict[str, str], now: int) -> EngineView | None:
+    raw = fields.get("engine")
+    if not raw:
+        return None
+    try:
+        reading = msgspec.json.decode(raw, type=wire.EngineReading)
+    except msgspec.DecodeError:
+        return None
+    published = int(fields.get("engine_ms") or now)
+    return EngineView(reading.running, reading.waiting, reading.kv_usage,
+                      reading.age_ms + max(now - published, 0))
+
+
 def _provider_view(
-    node_id: str, prov: ProviderConfig, fields: dict[str, str], now: int, groups: list[str], queued: dict[str, int]
+    node_id: str, prov: ProviderConfig, fields: dict[str, str], now: int, groups: list[str], queued: dict[str, int],
+    history: list[list[int]] | None = None,
 ) -> ProviderView:
     health, reason = classify(fields, now)
-    capacity = int(fields["capacity"]) if "capacity" in fields else prov.capacity
+    default = prov.capacity_bounds[0] if prov.auto else prov.fixed_capacity
+    capacity = int(fields["capacity"]) if "capacity" in fields else default
     in_flight = int(fields.get("in_flight", 0))
+    external = int(fields.get("ext") or 0)
+    hold_until = int(fields.get("hold_until") or 0)
+    svc = float(fields.get("svc_ms") or 0)
     reported = _json_list(fields.get("reported_models"))
     endpoints = _json_list(fields.get("endpoints"))
     missing = [m for m in prov.models if reported is not None and m not in reported]
     hb_ms = fields.get("hb_ms")
     prompt_tokens, cached_tokens = int(fields.get("prompt_tokens", 0)), int(fields.get("cached_tokens", 0))
+    ejection, evidence = _ejection(fields, now)
     return ProviderView(
         id=prov.id,
         node_id=node_id,
@@ -389,7 +510,7 @@ def _provider_view(
         reason=reason,
         capacity=capacity,
         in_flight=in_flight,
-        load_ratio=round(in_flight / capacity, 4) if capacity > 0 else None,
+        load_ratio=round((in_flight + external) / capacity, 4) if capacity > 0 else None,
         models=list(prov.models),
         reported_models=reported,
         missing_models=missing,
@@ -405,4 +526,14 @@ def _provider_view(
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         cache_hit_rate=round(cached_tokens / prompt_tokens, 4) if cached_tokens and prompt_tokens else None,
+        ejection=ejection,
+        evidence=evidence,
+        capacity_mode="auto" if prov.auto else "fixed",
+        capacity_bounds=list(prov.capacity_bounds) if prov.auto else None,
+        capacity_reason=fields.get("cap_reason", "") if prov.auto else "",
+        capacity_history=history or [],
+        engine=_engine_view(fields, now),
+        external_load=external,
+        rate_limited=RateLimitView(hold_until, fields.get("hold_reason", "")) if hold_until > now else None,
+        service_ms=svc or None,
     )

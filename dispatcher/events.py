@@ -197,6 +197,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     output_started: int = 0  # 1 once output reached its client: it is never dispatched again
     # Providers that failed it (finish in mode 'retry'). (cjson writes an empty table as {}.)
     excluded: list[str] | dict[str, str] = []
+    # The '<provider>|<status>' of each 5xx it got, whose blame waits for its end: another
+    # provider answering it blames them, another's 5xx excuses them (lua/lib/blame.lua).
+    failed_5xx: list[str] | dict[str, str] = []
     hold_until_ms: int | None = None  # refused if still no provider by then (hold_when_unavailable_ms)
     queue: str | None = None  # the queue it waits in, when not its lane's (moved since its submit)
     # Cache-aware dispatch: its prompt's block hashes (or its conversation's), for the prefix

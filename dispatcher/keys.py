@@ -10,7 +10,13 @@ and every script can be given all of its keys in KEYS.
 |                          |        | ``drain``: ms an operator drained it (lua/drain.lua), absent   |
 |                          |        | when open -- no heartbeat touches it;                          |
 |                          |        | ``tok_t0``, ``tok_cur``, ``tok_prev``: completion tokens of    |
-|                          |        | jobs finished in two 10 s buckets (lua/finish.lua)             |
+|                          |        | jobs finished in two 10 s buckets (lua/finish.lua);            |
+|                          |        | 5xx evidence and ejection: ``ev_b``, ``evn``, ``evf``,         |
+|                          |        | ``evn0``, ``evf0``, ``c5xx``, ``ej_*`` (dispatcher/wire.py     |
+|                          |        | EjectionState; lua/lib/evidence.lua);                          |
+|                          |        | load: ``capacity_mode``, ``ext``, ``hold_until``, ``engine``,  |
+|                          |        | ``cap_reason``, ``svc_ms`` (wire.CapacityReport, capacity.lua) |
+| ``{iop}:caph:<provider>``| list   | ``<ms>:<limit>`` each time its learned limit moved (last 240) |
 | ``{iop}:q:<model>``      | zset   | waiting jobs of a model group's lane: job id -> submit seq     |
 |  ``[|<providers>]``      |        | (FIFO), or its fair-queuing tag with flow control; the lane of |
 |  ``[#<band>]``           |        | all its providers has no suffix, a lane of some (an endpoint   |
@@ -101,6 +107,11 @@ CANCEL_CHANNEL_PREFIX = f"{PREFIX}:cancel:"
 
 def provider(provider_id: str) -> str:
     return f"{PREFIX}:p:{provider_id}"
+
+
+def capacity_history(provider_id: str) -> str:
+    """When a provider's learned capacity moved, and to what (``lua/capacity.lua``)."""
+    return f"{PREFIX}:caph:{provider_id}"
 
 
 def queue(model_id: str, lane: str = "") -> str:

@@ -110,13 +110,18 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
     stats = pos(keys.AFFINITY_STATS) if any(spec.load_bound for _, spec in specs) else 0
+    ej = config.ejection
+    ejection = wire.Ejection(consecutive=ej.consecutive_5xx, rate=ej.failure_rate, window_ms=ej.window_s * 1000,
+                             min_requests=ej.min_requests, base_ms=round(ej.base_s * 1000),
+                             max_ms=round(ej.max_s * 1000), max_percent=ej.max_ejected_percent)
     if fair:
         head = wire.PlanHeader(
             fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
             limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
-            park=keys.parked(""), affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only)
+            park=keys.parked(""), affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only,
+            ejection=ejection)
     else:
-        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only)
+        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only, ejection=ejection)
     header = wire.encode(head)
     lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
     key_list = list(index)

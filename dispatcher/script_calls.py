@@ -229,21 +229,25 @@ class ScriptCalls:
 
     async def finish(
         self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
-        prompt: int = 0, cached: int = 0,
+        prompt: int = 0, cached: int = 0, verdict: str = "",
     ) -> FinishOutcome:
         """``tokens``: the completion tokens the job generated, for its provider's throughput;
-        ``prompt``, ``cached``: its prompt tokens and those the provider served from its cache."""
+        ``prompt``, ``cached``: its prompt tokens and those the provider served from its cache;
+        ``verdict``: 'ok' the provider answered, '<status>' a 5xx, '' nothing to count
+        (lua/lib/blame.lua). An ejection it decided is logged."""
         base = job.lane.partition("#")[0]
         # A lane of one provider may be the lane of the jobs pinned to it (the stream entry
         # does not say): its home is the same lane under the new config either way.
         queue = self._queue_now(job.model, job.lane, job.endpoint, base if base and "," not in base else None)
         plan, ks, head = self._settle_args(job.provider, node, job.replica, queue, keys.LIMITS)
-        outcome, _, *woken = await self._pump(
+        outcome, _, ejected, *woken = await self._pump(
             self.scripts.finish, plan, ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens, prompt, cached],
+             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens, prompt, cached, verdict],
         )
         result = FinishOutcome(outcome.decode())
+        if ejected:
+            log.warning("provider %s", ejected.decode())
         await self._wake(job.provider, [*woken, *([queue.encode()] if result == FinishOutcome.REQUEUED else [])])
         return result
 
@@ -296,6 +300,14 @@ class ScriptCalls:
             flat += [name, value]
         ttl_ms = self.config.dispatch.heartbeat_ttl_ms
         return int(await self._pump(self.scripts.heartbeat, plan, ks, [*head, health, ttl_ms, self._refusal, *flat]))
+
+    async def capacity(self, provider: str, report: wire.CapacityReport) -> int:
+        """Publish what a worker knows of a provider's load (lua/capacity.lua), then pump its
+        lanes (a limit that rose takes waiting jobs at once); how many it dispatched."""
+        plan = self.plans.by_provider[provider]
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider), keys.capacity_history(provider)),
+                             self._lease_ms)
+        return int(await self._pump(self.scripts.capacity, plan, ks, [*head, wire.encode(report)]))
 
     async def remember_response(self, response_id: str, provider: str, model: str) -> None:
         r = self.config.responses

@@ -27,7 +27,7 @@ from dispatcher.exceptions import IopError
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon")
+         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon", "capacity")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -124,6 +124,7 @@ class Scripts:
         self.wake = Script(redis, fast, "wake")
         self.plan = Script(redis, fast, "plan")
         self.abandon = Script(redis, fast, "abandon")
+        self.capacity = Script(redis, fast, "capacity")
 
     @property
     def redis(self) -> Redis:

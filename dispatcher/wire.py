@@ -91,6 +91,19 @@ class LaneSpec(msgspec.Struct, frozen=True):
     max_wait_ms: int = 0
 
 
+class Ejection(msgspec.Struct, frozen=True):
+    """When 5xx answers eject a provider (the config's ``ejection``), as ``lua/lib/blame.lua``
+    and ``lua/lib/eject.lua`` read it from a finish's plan."""
+
+    consecutive: int  # 5xx in a row that count against a provider (0: no streak rule)
+    rate: float  # share of its requests over the window (0: no rate rule)
+    window_ms: int  # two buckets of half this
+    min_requests: int
+    base_ms: int
+    max_ms: int
+    max_percent: int  # of a lane's providers ejected at once
+
+
 class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a pumping script reads first (field '' of the plan hash)."""
 
@@ -111,6 +124,8 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     rates: int = 0
     # A plan of one lane carries it here, and has no lane fields or set: one read.
     only: LaneSpec | None = None
+    # What a finish's evidence of a 5xx may do to a provider (lua/lib/blame.lua).
+    ejection: Ejection | None = None
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -124,3 +139,71 @@ class Refusal(msgspec.Struct, frozen=True):
     # A provider whose worker is silent (never heard of, heartbeat past its TTL) counts as down:
     # only in a reaper round, which knows that Redis was reachable meanwhile.
     silent_is_down: bool = False
+
+
+class CapacityReport(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a worker publishes of a provider's load (``lua/capacity.lua``'s options;
+    workers/capacity_control.py)."""
+
+    capacity: int  # the limit in force: dispatch fills at most this many slots
+    mode: str  # 'auto' (learned) | 'fixed'
+    external: int = 0  # what its engine runs and queues beyond iop's in_flight there
+    hold_ms: int = 0  # nothing new goes there for this long (a rate limit); 0: none
+    hold_reason: str = ""
+    reason: str = ""  # why the limit last moved ('' for a fixed one)
+    engine: str = ""  # its engine's last reading, JSON (EngineReading); '' when it has none
+    service_ms: float = 0.0  # the median time of its recent calls (deadline predictions)
+    moved: bool = False  # the limit moved since the last report: added to its history
+
+
+class EngineReading(msgspec.Struct, frozen=True):
+    """An engine's load as the worker last read it (workers/engine_metrics.py), kept as JSON
+    in the provider's hash (field ``engine``); None where the engine does not say."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    age_ms: int  # how old the reading was when it was published (``engine_ms``)
+
+
+# --- what the scripts write into a provider's hash (``{iop}:p:<provider>``) -------------------
+
+EJECTION_KINDS = ("consecutive_5xx", "failure_rate", "trial")
+
+
+class EjectionState(msgspec.Struct, frozen=True):
+    """A provider's 5xx evidence and ejection, as ``lua/lib/eject.lua``, ``blame.lua``,
+    ``answered.lua`` and ``evidence.lua`` keep them in its hash (the field names below, with
+    ``ej_n:<kind>`` for ``ejections``); :func:`ejection_state` reads them."""
+
+    until_ms: int | None  # ej_until: out until then; after it on trial while ``trial``
+    trial: bool  # ej_trial == '1': ejected, or on trial once ``until_ms`` passed
+    count: int  # ej_count: the repeat count its last ejection's length came from
+    reason: str  # ej_reason, in words
+    kind: str  # ej_kind: one of EJECTION_KINDS
+    streak: int  # c5xx: 5xx counted against it since it last answered
+    excused: int  # excused_5xx: 5xx another provider also answered the same request
+    ejections: dict[str, int]  # ej_n:<kind>: ejections so far, by kind
+
+    def ejected(self, now_ms: int) -> bool:
+        return self.trial and (self.until_ms or 0) > now_ms
+
+    def on_trial(self, now_ms: int) -> bool:
+        return self.trial and (self.until_ms or 0) <= now_ms
+
+
+def _int(raw: str | None) -> int:
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0
+
+
+def ejection_state(fields: dict[str, str]) -> EjectionState:
+    """The ejection fields of a provider's hash (decoded to str)."""
+    until = fields.get("ej_until")
+    return EjectionState(
+        until_ms=_int(until) if until else None, trial=fields.get("ej_trial") == "1",
+        count=_int(fields.get("ej_count")), reason=fields.get("ej_reason", ""), kind=fields.get("ej_kind", ""),
+        streak=_int(fields.get("c5xx")), excused=_int(fields.get("excused_5xx")),
+        ejections={kind: _int(fields.get(f"ej_n:{kind}")) for kind in EJECTION_KINDS})

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
 from dispatcher.script_calls import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
@@ -35,15 +35,20 @@ class WorkerSide:
 
     async def finish(
         self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
-        prompt: int = 0, cached: int = 0,
+        prompt: int = 0, cached: int = 0, verdict: str = "",
     ) -> FinishOutcome:
         """Final event + release + ack. ``requeue`` (the worker gives the job up unfinished)
         and ``retry`` (its provider failed it before any output) dispatch it again if none
         of its output reached the client, else its client gets ``event``. ``tokens``: the
         completion tokens the job generated (its provider's tokens per second); ``prompt``,
-        ``cached``: its prompt tokens, and those served from the provider's cache."""
+        ``cached``: its prompt tokens, and those served from the provider's cache; ``verdict``:
+        what the call says of its provider (``workers/job_run.py`` verdict_of)."""
         return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens, prompt=prompt,
-                                       cached=cached)
+                                       cached=cached, verdict=verdict)
+
+    async def publish_capacity(self, provider: str, report: wire.CapacityReport) -> int:
+        """What this worker knows of a provider's load (workers/capacity_control.py)."""
+        return await self.calls.capacity(provider, report)
 
     async def remember_response(self, response_id: str, job: Assignment) -> None:
         """A stored Response was made by the job's provider: later calls on it go there."""

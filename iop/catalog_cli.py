@@ -58,10 +58,30 @@ def bar(in_flight: int, capacity: int) -> str:
 
 
 def capacity_text(p: dict[str, Any]) -> str:
-    """``in_flight/capacity``, with the runtime's own slot count when it says one that differs."""
+    """``in_flight/capacity``, with the runtime's own slot count when it says one that differs,
+    ``auto`` for a learned capacity, and the load other clients put on it."""
     slots = p.get("slots")
     hint = f" (slots {slots})" if slots is not None and slots != p["capacity"] else ""
-    return f"{p['in_flight']}/{p['capacity']}{hint}"
+    auto = " auto" if p.get("capacity_mode") == "auto" else ""
+    external = f" +{p['external_load']} others" if p.get("external_load") else ""
+    return f"{p['in_flight']}/{p['capacity']}{auto}{hint}{external}"
+
+
+def load_lines(p: dict[str, Any]) -> list[str]:
+    """Under a provider: why its learned capacity last moved, its engine's own load, a rate limit."""
+    lines = []
+    if p.get("capacity_mode") == "auto" and p.get("capacity_reason"):
+        bounds = p.get("capacity_bounds") or []
+        lines.append(f"capacity learned ({'-'.join(map(str, bounds))}): {p['capacity_reason']}")
+    engine = p.get("engine")
+    if engine:
+        kv = f", KV {engine['kv_usage'] * 100:.0f}%" if engine.get("kv_usage") is not None else ""
+        running = "-" if engine.get("running") is None else engine["running"]
+        waiting = "-" if engine.get("waiting") is None else engine["waiting"]
+        lines.append(f"engine: {running} running, {waiting} waiting{kv} ({engine['age_ms'] / 1000:.1f}s old)")
+    if p.get("rate_limited"):
+        lines.append(f"rate limited: {p['rate_limited']['reason']}")
+    return lines
 
 
 def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
@@ -107,6 +127,9 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         p = providers[cells[0]]
         if p["reason"]:
             lines.append("    " + paint(p["reason"], DIM))
+        if p.get("evidence"):  # absent from an older iop's catalog, None with nothing held against it
+            lines.append("    " + paint(evidence_text(p["evidence"]), DIM))
+        lines.extend("    " + paint(line, DIM) for line in load_lines(p))
         if "endpoints" in p:  # an older iop's catalog has none
             lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))
     tenants = doc.get("tenants") or []  # an older iop's catalog has none
@@ -145,6 +168,13 @@ def limits_text(t: dict[str, Any]) -> str:
     parts = [f"{what} <= {t[field]}" for what, field in (("queued", "max_queued"), ("in flight", "max_in_flight"))
              if t.get(field) is not None]
     return ", ".join(parts) or "-"
+
+
+def evidence_text(evidence: dict[str, Any]) -> str:
+    """What iop holds against a provider's 5xx answers, in one line."""
+    ejections = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in evidence["ejections"].items() if n)
+    return (f"5xx held against it: {evidence['streak_5xx']} in a row; excused (the request's fault): "
+            f"{evidence['excused_5xx']}; ejections: {ejections or 'none'}")
 
 
 def tenant_lines(tenants: list[dict[str, Any]], paint: Callable[[str, str], str]) -> list[str]:

@@ -54,9 +54,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         for warning in warnings:
             print(f"  {warning}", file=sys.stderr)
     providers = list(config.providers())
-    capacity = sum(p.capacity for _, p in providers)
+    capacity = sum(p.fixed_capacity for _, p in providers if not p.auto)
+    learning = sum(1 for _, p in providers if p.auto)
     print(f"{args.file}: OK - {len(config.models)} model(s), {len(config.nodes)} node(s), "
-          f"{len(providers)} provider(s), total capacity {capacity}")
+          f"{len(providers)} provider(s), total capacity {capacity}"
+          + (f" + {learning} learning theirs (capacity: auto)" if learning else ""))
     for model in config.models:
         pool = ", ".join(f"{pid} -> {served}" for pid, served in model.providers.items())
         print(f"  {model.id}: {pool} (max_queue {config.max_queue(model)}, "

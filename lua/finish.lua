@@ -28,14 +28,28 @@
 --            prefix cache (0: none reported): added, on a real release, to the provider's
 --            totals prompt_tokens and cached_tokens (the catalog's cache hit rate); and
 --            with ARGV[13], a limited tenant's tokens settled (rec.limits) when the job ends
--- Returns {outcome, dispatched, queue key...}; outcome 'released' | 'requeued' | 'failed'
--- | 'dropped' | 'stale'; the queue keys: where the release brought parked jobs back to
+-- ARGV[16]   verdict: what the call says of its provider, for its 5xx evidence
+--            (lib/evidence.lua): 'ok' it answered (a status under 500), '<status>' a 5xx
+--            answer, '' nothing (aborted, or it failed otherwise: its worker took it out)
+-- Returns {outcome, dispatched, ejections, queue key...}; outcome 'released' | 'requeued'
+-- | 'failed' | 'dropped' | 'stale'; ejections: the providers this finish ejected, in
+-- words ('' none); the queue keys: where the release brought parked jobs back to
 --!include lib/jobs.lua
 --!include lib/released.lua
 --!include lib/other_candidate.lua
 --!include lib/settle_lost.lua
 --!include lib/pump.lua
 --!include lib/limits.lua
+--!include lib/hash_fields.lua
+--!include lib/evidence_window.lua
+--!include lib/eject.lua
+--!include lib/blame.lua
+--!include lib/answered.lua
+--!include lib/evidence.lua
+
+-- What finish reads of its provider: its token window and totals, and its 5xx evidence.
+local PROVIDER_COUNTERS = {'tok_t0', 'tok_cur', 'prompt_tokens', 'cached_tokens'}
+for _, name in ipairs(EVIDENCE_FIELDS) do PROVIDER_COUNTERS[#PROVIDER_COUNTERS + 1] = name end
 
 local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE, LIMITS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local job, entry, event = ARGV[4], ARGV[6], ARGV[8]
@@ -46,29 +60,46 @@ redis.call('XDEL', NODE, entry)
 
 local rec = get_record(job)
 if not owned(rec, ARGV[5]) then
-  return {'stale', 0}
+  return {'stale', 0, ''}
 end
 local woken = {}
+local pid = rec.provider
 local released_here = release_slot(job, PROVIDER, rec)
 if released_here then woken = released(rec) end
 local now = now_ms()
 local tokens = tonumber(ARGV[13]) or 0
+local prompt, cached = tonumber(ARGV[14]) or 0, tonumber(ARGV[15]) or 0
+local verdict, rules = ARGV[16] or '', PLAN.ejection
+if rules == nil then verdict = '' end
+-- The provider's counters, read once and written once (lib/hash_fields.lua).
+local counters = nil
+if tokens > 0 or (released_here and prompt > 0) or verdict ~= '' then
+  counters = read_fields(PROVIDER, PROVIDER_COUNTERS)
+end
 if tokens > 0 then
-  local w = redis.call('HMGET', PROVIDER, 'tok_t0', 'tok_cur')
-  local t0, cur = tonumber(w[1]), tonumber(w[2]) or 0
+  local t0, cur = tonumber(counters.v.tok_t0), tonumber(counters.v.tok_cur) or 0
   if t0 == nil or now < t0 or now - t0 >= 20000 then
     -- Nothing in the last two buckets (or a new primary's clock is behind): start afresh.
-    redis.call('HSET', PROVIDER, 'tok_t0', now, 'tok_cur', tokens, 'tok_prev', 0)
+    set_field(counters, 'tok_t0', now)
+    set_field(counters, 'tok_cur', tokens)
+    set_field(counters, 'tok_prev', 0)
   elseif now - t0 >= 10000 then
-    redis.call('HSET', PROVIDER, 'tok_t0', t0 + 10000, 'tok_cur', tokens, 'tok_prev', cur)
+    set_field(counters, 'tok_t0', t0 + 10000)
+    set_field(counters, 'tok_cur', tokens)
+    set_field(counters, 'tok_prev', cur)
   else
-    redis.call('HSET', PROVIDER, 'tok_cur', cur + tokens)
+    set_field(counters, 'tok_cur', cur + tokens)
   end
 end
-local prompt, cached = tonumber(ARGV[14]) or 0, tonumber(ARGV[15]) or 0
 if released_here and prompt > 0 then
-  redis.call('HINCRBY', PROVIDER, 'prompt_tokens', prompt)
-  if cached > 0 then redis.call('HINCRBY', PROVIDER, 'cached_tokens', cached) end
+  set_field(counters, 'prompt_tokens', (tonumber(counters.v.prompt_tokens) or 0) + prompt)
+  if cached > 0 then set_field(counters, 'cached_tokens', (tonumber(counters.v.cached_tokens) or 0) + cached) end
+end
+if tonumber(verdict) ~= nil then
+  -- A 5xx: noted on the job, whose end decides whom it blames (lib/evidence.lua).
+  local failed = rec.failed_5xx or {}
+  failed[#failed + 1] = pid .. '|' .. verdict
+  rec.failed_5xx = failed
 end
 local outcome = 'released'
 if ARGV[10] == 'requeue' or ARGV[10] == 'retry' then
@@ -90,4 +121,11 @@ else
   end
   drop_job(job, REPLICA_JOBS)
 end
-return {outcome, pump(now), unpack(woken)}
+local ejections = ''
+if counters ~= nil then
+  if verdict ~= '' then
+    ejections = settle_evidence(counters, pid, verdict, rec, outcome, lane_at(QUEUE), now, rules)
+  end
+  flush_fields(counters)
+end
+return {outcome, pump(now), ejections, unpack(woken)}

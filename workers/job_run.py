@@ -25,6 +25,8 @@ from dispatcher.multipart import with_field
 from dispatcher.script_calls import FinishMode, FinishOutcome
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import ProviderCall, Sink
+from workers.capacity import CallSample
+from workers.capacity_control import CapacityControl
 from workers.leases import SHUTDOWN, Running, Runs
 from workers.provider_state import ProviderState
 from workers.runtime import ProviderAdapters
@@ -45,8 +47,9 @@ class JobRunner:
     ``lease_ms``: how long output and answers are held through a Redis outage."""
 
     def __init__(self, side: WorkerSide, node_id: str, adapters: ProviderAdapters, runs: Runs,
-                 providers: ProviderState, lease_ms: int) -> None:
+                 providers: ProviderState, lease_ms: int, capacity: CapacityControl | None = None) -> None:
         self._side = side
+        self._capacity = capacity
         self._node_id = node_id
         self._adapters = adapters
         self._runs = runs
@@ -79,7 +82,7 @@ class JobRunner:
                 elif running.retry:
                     mode = "retry"
                 try:
-                    await self.finish(running, sink, final, mode=mode)
+                    await self.finish(running, sink, final, mode=mode, verdict=running.verdict)
                 finally:
                     self._runs.end(running)
                     if running.provider_failed:
@@ -103,16 +106,25 @@ class JobRunner:
                 if job.endpoint == RESPONSES:
                     out = stored_response_sink(sink, request, lambda rid: self._side.remember_response(rid, job),
                                                self._side.forget_response)
+                started = time.monotonic()
                 with tracing.provider_span(job, self._node_id, request.traceparent, sink):
                     await adapter.call(provider_call(job, request, adapter.provider.asks_stream_usage), out)
                 self._providers.answered(job.provider)
-                return sink.final_event()
+                running.verdict = ANSWERED
+                final = sink.final_event()
+                if self._capacity is not None:
+                    self._capacity.called(job.provider, timed(started, sink, final), sink_status(sink, final),
+                                          sink.headers if not isinstance(final, events.Done) else final.headers)
+                return final
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
             except ProviderError as exc:
+                if self._capacity is not None and isinstance(exc, ProviderRejected):
+                    self._capacity.called(job.provider, None, exc.status, exc.headers)
                 if fails_the_provider(exc):
                     self._providers.call_failed(job.provider, exc)
                     running.provider_failed = True
+                running.verdict = verdict_of(exc)
                 # Before any output, another provider of the lane may serve it (lua/finish.lua).
                 running.retry = exc.retry_elsewhere and not sink.started
                 return Failed.from_error(exc, sink.meta)
@@ -129,11 +141,13 @@ class JobRunner:
         await self.finish(Running(job), None, lost, mode="requeue")
 
     async def finish(
-        self, running: Running, sink: RedisSink | None, final: events.Event | None, mode: FinishMode = "done"
+        self, running: Running, sink: RedisSink | None, final: events.Event | None, mode: FinishMode = "done",
+        verdict: str = "",
     ) -> None:
         """Write what the sink holds, then the final event with the release; through a Redis
         outage of up to ``OUTAGE_LEASES`` leases (the job stays in ``runs`` meanwhile, so
-        its lease is renewed whenever Redis answers)."""
+        its lease is renewed whenever Redis answers). ``verdict``: what the call said of its
+        provider (:func:`verdict_of`)."""
         job = running.job
         data = events.encode(final) if final is not None else None
         backoff = Backoff(0.05, 0.5)
@@ -144,7 +158,7 @@ class JobRunner:
                     await sink.flush()
                 usage = final_usage(final)
                 outcome = await self._side.finish(job, data, mode=mode, tokens=usage.completion,
-                                                  prompt=usage.prompt, cached=usage.cached)
+                                                  prompt=usage.prompt, cached=usage.cached, verdict=verdict)
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
                     log.info("job %s %s: %s", job.job, why, outcome, extra=job.log_context())
@@ -164,12 +178,39 @@ class JobRunner:
                 await backoff.sleep()
 
 
+# A call's verdict on its provider, for the evidence lua/finish.lua keeps: it answered.
+ANSWERED = "ok"
+
+
 def fails_the_provider(exc: ProviderError) -> bool:
-    """Does a call's error speak of the provider itself (down, hung, broken), not of the
-    request? A 4xx of its own is the caller's business."""
-    if isinstance(exc, ProviderRejected):
-        return exc.status >= 500
+    """Does a call's error take its provider out of rotation at once: it refused or reset
+    the connection, timed out, cut a stream, answered garbage? Its own answers, 5xx
+    included, never do: a 5xx may be the request's fault, and only the evidence of several
+    requests (lua/lib/blame.lua) ejects a provider for them."""
     return isinstance(exc, ProviderUnreachable | ProviderTimeout)
+
+
+def verdict_of(exc: ProviderError) -> str:
+    """What a failed call says of its provider for that evidence: a 5xx by its status; an
+    answer under 500 (a 4xx is the caller's business) that it answered; else nothing (an
+    unreachable provider is out already, a cancelled call says nothing)."""
+    if isinstance(exc, ProviderRejected):
+        return str(exc.status) if exc.status >= 500 else ANSWERED
+    return ""
+
+
+def timed(started: float, sink: RedisSink, final: events.Event) -> CallSample | None:
+    """A 2xx answer as the capacity controller reads it (workers/capacity.py)."""
+    if sink_status(sink, final) >= 300:
+        return None
+    ended = time.monotonic()
+    ttft = sink.first_output_at - started if sink.first_output_at is not None and not isinstance(final, events.Done) \
+        else None
+    return CallSample(e2e_s=ended - started, ttft_s=ttft, tokens=final_usage(final).completion)
+
+
+def sink_status(sink: RedisSink, final: events.Event) -> int:
+    return final.status if isinstance(final, events.Done) else sink.status
 
 
 def provider_call(job: Assignment, request: RequestEnvelope, ask_usage: bool = False) -> ProviderCall:

@@ -43,6 +43,9 @@ class Running:
     retry: bool = False
     # The call failed in a way that says something of the provider (``fails_the_provider``).
     provider_failed: bool = False
+    # What the call says of its provider for the evidence finish keeps (``verdict_of``):
+    # "ok" it answered (whatever the status under 500), "<status>" a 5xx, "" nothing.
+    verdict: str = ""
 
     @property
     def key(self) -> RunKey:

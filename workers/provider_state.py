@@ -6,9 +6,11 @@ One loop per provider heartbeats it every ``heartbeat_interval_ms``; probes it e
 types): its traffic is its health meanwhile.
 
 A provider's health comes from its probes and from its calls: a call that fails its way
-(unreachable, timed out, a 5xx) marks it unavailable at once with that call's error as
-the reason, and it is probed as soon as it runs nothing; a call it answers whole brings
-it back if only a failed call had put it out.
+(refused or reset, timed out, a stream cut, garbage) marks it unavailable at once with
+that call's error as the reason, and it is probed as soon as it runs nothing; a call it
+answers whole brings it back if only a failed call had put it out. Its 5xx answers are not
+judged here: one may be the request's fault, and only the evidence of several requests,
+kept in Redis by every worker's finishes, ejects a provider for them (lua/lib/evidence.lua).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from dispatcher import keys
-from dispatcher.config import DispatchConfig
+from dispatcher.config import DispatchConfig, ProviderConfig
 from dispatcher.exceptions import ProviderError
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import ProbeResult
@@ -43,8 +45,11 @@ class ProviderState:
     """
 
     def __init__(self, runtime: Callable[[], NodeRuntime], adapters: ProviderAdapters, runs: Runs,
-                 side: WorkerSide, redis: Redis, dispatch: DispatchConfig, worker_id: str) -> None:
+                 side: WorkerSide, redis: Redis, dispatch: DispatchConfig, worker_id: str,
+                 capacity_of: Callable[[ProviderConfig], int] | None = None) -> None:
         self._runtime = runtime
+        # The capacity a heartbeat publishes: the limit in force (workers/capacity_control.py).
+        self._capacity_of = capacity_of or (lambda p: p.capacity_bounds[0] if p.auto else p.fixed_capacity)
         self._adapters = adapters
         self._runs = runs
         self._side = side
@@ -208,7 +213,8 @@ class ProviderState:
             ("node", runtime.node.id),
             ("type", provider.type),
             ("category", provider.effective_category),
-            ("capacity", provider.capacity),
+            ("capacity", self._capacity_of(provider)),
+            ("capacity_mode", "auto" if provider.auto else "fixed"),
             ("models", json.dumps(provider.models)),
             ("reason", result.reason),
             ("reported_models", json.dumps(result.models) if result.models is not None else ""),

@@ -96,7 +96,7 @@ class ProviderAdapters:
 
     def _session_for(self, node: NodeConfig) -> HttpSession:
         """An HTTP session whose pool fits the node's capacity (a reload may have raised it)."""
-        needed = sum(p.capacity for p in node.providers)
+        needed = sum(p.fixed_capacity for p in node.providers)
         if not self._sessions or session_size(self._sessions[-1]) < needed:
             self._sessions.append(new_session(needed))
         return self._sessions[-1]

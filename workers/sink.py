@@ -56,6 +56,8 @@ class RedisSink:
         self.headers: dict[str, str] = {}
         self.upstream_done = True
         self.started = False  # emit succeeded: output may have reached the client
+        # When the provider's first output came (time.monotonic()): its time to first token.
+        self.first_output_at: float | None = None
         self.hold_s = hold_s
         self._final: events.Event | None = None
         self._usage: Usage | None = None
@@ -80,6 +82,8 @@ class RedisSink:
         self._usage = usage
 
     async def chunks(self, payloads: list[bytes]) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = time.monotonic()
         self._pending.extend(payloads)
         self._pending_bytes += sum(len(p) for p in payloads)
         if self._failing_since is not None and time.monotonic() < self._retry_at:

@@ -4,6 +4,9 @@ to the node, report every answer back, and give every slot back.
 ``Worker`` is the wiring of small parts that run side by side in one task group:
 
 * ``ProviderState.run``   heartbeat and probe each provider (``workers/provider_state.py``)
+* ``CapacityControl.run`` read each provider's load (its engine's metrics, its calls' latency
+                          and rate limits) and publish the limit in force, learned for
+                          ``capacity: auto`` (``workers/capacity_control.py``)
 * ``NodeStream.consume``  read the node stream through the consumer group and start jobs
                           (``workers/node_stream.py``); each runs in ``JobRunner.run``
                           (``workers/job_run.py``)
@@ -44,6 +47,7 @@ from dispatcher.reloading import describe_changes, reread
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from workers.cancels import CancelListener
+from workers.capacity_control import CapacityControl
 from workers.job_run import JobRunner
 from workers.leases import SHUTDOWN, Leases, Runs
 from workers.node_stream import READ_BATCH, NodeStream, wait_for_redis
@@ -74,9 +78,11 @@ class Worker:
         self.reaper = Reaper(runtime.calls, self.redis, self.worker_id)
         self.adapters = ProviderAdapters()
         self.runs = Runs(keep_s=dispatch.lease_ms / 1000)
+        self.capacity = CapacityControl(lambda: self.runtime, self.adapters, self.side, self.redis)
         self.providers = ProviderState(lambda: self.runtime, self.adapters, self.runs, self.side, self.redis,
-                                       dispatch, self.worker_id)
-        self.jobs = JobRunner(self.side, node_id, self.adapters, self.runs, self.providers, dispatch.lease_ms)
+                                       dispatch, self.worker_id, capacity_of=self.capacity.capacity_of)
+        self.jobs = JobRunner(self.side, node_id, self.adapters, self.runs, self.providers, dispatch.lease_ms,
+                              capacity=self.capacity)
         self.stream = NodeStream(self.side, self.clients.blocking, self.redis, self.worker_id, dispatch.lease_ms,
                                  self.runs, run=self.jobs.run, hand_back=self.jobs.hand_back)
         self.leases = Leases(self.runs, self.side, dispatch.lease_ms, after_renewal=self.stream.settle_ghosts)
@@ -101,6 +107,7 @@ class Worker:
                 if self.config_path is not None:
                     tg.start_soon(self._watch_hangups)
                 tg.start_soon(self.providers.run)
+                tg.start_soon(self.capacity.run)
                 tg.start_soon(self.cancels.run)
                 tg.start_soon(self.leases.run)
                 tg.start_soon(self.reaper.run_forever)
@@ -118,6 +125,7 @@ class Worker:
         """Stop taking jobs; running ones get ``dispatch.drain_grace_s`` to finish."""
         self.stream.stop()
         self.providers.stop()
+        self.capacity.stop()
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -177,6 +185,7 @@ class Worker:
         removed = [pid for pid in before if pid not in after]
         for pid in removed:
             self.providers.forget(pid)
+            self.capacity.forget(pid)
             self.adapters.retire(pid)
         with anyio.CancelScope(shield=True):
             for pid in removed:
@@ -198,8 +207,10 @@ class Worker:
             if pid not in before:
                 self.adapters.add(provider, runtime.node)
                 self.providers.start(pid)
+                self.capacity.start(pid)
             elif provider != before[pid]:
                 self.adapters.replace(provider, runtime.node)
+                self.capacity.start(pid)  # afresh: its capacity, bounds or server may have changed
                 self.providers.probe_now(pid)
             else:
                 self.providers.heartbeat_now(pid)  # its groups may have changed: pump them with the new plans

@@ -210,6 +210,12 @@ def _range(info: mi.Type) -> Range | None:
     if unchecked:
         # Decoding would report only the first such problem: keep to bounds, or check it in validation.py.
         raise TypeError(f"{inner}: {', '.join(unchecked)} is not checked by dispatcher.config.field_rules")
+    if isinstance(inner, mi.UnionType):
+        # A number or a word (``capacity: 4 | auto``): the number's bounds.
+        numbers = [t for t in (_unwrap(t) for t in inner.types) if isinstance(t[0], mi.IntType | mi.FloatType)]
+        if len(numbers) == 1:
+            inner, more = numbers[0]
+            extra = {**extra, **more}
     if not isinstance(inner, mi.IntType | mi.FloatType):
         return None
     if inner.gt is None and inner.ge is None and inner.lt is None and inner.le is None:

@@ -194,6 +194,37 @@ class DispatchConfig(_Base, frozen=True):
         return min(self.lease_ms // 3, self.replica_ttl_ms // 2)
 
 
+class EjectionConfig(_Base, frozen=True):
+    """When a provider leaves rotation for its 5xx answers, and how it comes back
+    (``lua/lib/blame.lua``, ``lua/lib/eject.lua``; README "Health: leaving rotation and coming back").
+
+    A provider that refuses or resets connections, times out, cuts a stream or fails its probe
+    leaves at once, whatever this says. A 5xx counts against it only when it is the
+    provider's fault, not the request's: when another provider served the same request, or
+    when none other could try it. One that another provider of the request also answered 5xx
+    counts against neither. A 4xx never counts."""
+
+    # 5xx in a row that count against it (each on a different request; an answered request
+    # ends the streak) eject it; 0: never on a streak.
+    consecutive_5xx: Annotated[int, NON_NEGATIVE, hint("0: never on a streak")] = 5
+    # ... or at least this share of its finished requests over the last window_s (two halves)
+    # with at least min_requests of them, while the other providers of its lanes together
+    # fail less than half as often; 0: never on a rate.
+    failure_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    window_s: Annotated[int, msgspec.Meta(ge=2, le=3600)] = 60
+    min_requests: Annotated[int, POSITIVE] = 20
+    # The first ejection lasts base_s, each repeat twice as long as the one before, at most
+    # max_s (a repeat count falls by one for each max_s the provider then stays in). When it
+    # ends the provider is on trial: one request at a time until one is answered; a 5xx
+    # that counts against it then ejects it again at once.
+    base_s: Annotated[float, POSITIVE] = 30.0
+    max_s: Annotated[float, POSITIVE] = 300.0
+    # At most this share of a lane's providers are ejected at once (at least one of two or
+    # more may be); and a lane none of whose other providers can take work keeps using an
+    # ejected one: a 5xx alone never leaves a request with no provider.
+    max_ejected_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 50
+
+
 class AffinityConfig(_Base, frozen=True):
     """Cache-aware dispatch of a model group (``lua/lib/pump.lua`` affine; docs/DESIGN.md).
 
@@ -240,12 +271,22 @@ class ModelConfig(_Base, frozen=True):
     affinity: AffinityConfig = AffinityConfig()
 
 
+# The bounds of ``capacity: auto`` when the config names none.
+AUTO_MIN_CAPACITY = 1
+AUTO_MAX_CAPACITY = 64
+
+
 class ProviderConfig(_Base, frozen=True):
     id: str
     type: str
     models: list[str] = []
     category: str | None = None
-    capacity: Annotated[int, NON_NEGATIVE, hint("0 keeps the provider out of rotation")] = 1
+    # Requests it runs at once: a number, or "auto" -- iop learns it from the engine's own
+    # metrics, the provider's latency and rate-limit headers (workers/capacity.py), within
+    # min_capacity and max_capacity.
+    capacity: Annotated[int, NON_NEGATIVE, hint("0 keeps the provider out of rotation")] | Literal["auto"] = 1
+    min_capacity: Annotated[int, POSITIVE] | None = None
+    max_capacity: Annotated[int, POSITIVE] | None = None
     base_url: str | None = None
     api_key_env: str | None = None
     command: list[str] | None = None
@@ -256,6 +297,22 @@ class ProviderConfig(_Base, frozen=True):
     # caller did not, to count their tokens; the caller still gets what it asked for.
     # Unset = on for the local runtimes (STREAM_USAGE_TYPES).
     stream_usage: bool | None = None
+
+    @property
+    def auto(self) -> bool:
+        """Whether iop learns its capacity (``capacity: auto``)."""
+        return self.capacity == "auto"
+
+    @property
+    def capacity_bounds(self) -> tuple[int, int]:
+        """The floor and ceiling of a learned capacity (``min_capacity``, ``max_capacity``)."""
+        floor = self.min_capacity if self.min_capacity is not None else AUTO_MIN_CAPACITY
+        return floor, max(self.max_capacity if self.max_capacity is not None else AUTO_MAX_CAPACITY, floor)
+
+    @property
+    def fixed_capacity(self) -> int:
+        """A fixed capacity as configured; with ``auto``, the most it may learn."""
+        return self.capacity_bounds[1] if self.capacity == "auto" else self.capacity
 
     @property
     def asks_stream_usage(self) -> bool:
@@ -325,6 +382,7 @@ class Config(_Base, frozen=True):
     responses: ResponsesConfig = ResponsesConfig()
     demo: DemoConfig = DemoConfig()
     tracing: Annotated[TracingConfig, RESTART] = TracingConfig()
+    ejection: EjectionConfig = EjectionConfig()
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)

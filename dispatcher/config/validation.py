@@ -88,6 +88,9 @@ def validate(config: Config) -> list[ConfigProblem]:
             f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
             f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")
     problems.extend(_redis_problems(config.redis))
+    ej = config.ejection
+    if ej.max_s < ej.base_s:
+        bad("$.ejection.max_s", f"must not be shorter than base_s ({ej.base_s:g}), got {ej.max_s:g}")
     tracing = config.tracing
     if tracing.endpoint is not None and urlsplit(tracing.endpoint).scheme not in ("http", "https"):
         bad("$.tracing.endpoint", f"must be an http(s) URL (OTLP/HTTP), got {tracing.endpoint!r}")
@@ -183,6 +186,13 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
         yield ConfigProblem(f"{path}.command", "required for type 'cli' (an argv list)")
     if prov.type == "cli" and prov.stream_usage:
         yield ConfigProblem(f"{path}.stream_usage", "a cli provider reports no token usage")
+    if not prov.auto:
+        for name in ("min_capacity", "max_capacity"):
+            if getattr(prov, name) is not None:
+                yield ConfigProblem(f"{path}.{name}", "only with capacity: auto (a fixed capacity is its own bound)")
+    elif prov.min_capacity is not None and prov.max_capacity is not None and prov.min_capacity > prov.max_capacity:
+        yield ConfigProblem(f"{path}.max_capacity",
+                            f"must not be below min_capacity ({prov.min_capacity}), got {prov.max_capacity}")
     for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
         yield ConfigProblem(path_, f"duplicate served name {name!r}")
 

@@ -164,7 +164,8 @@ with its marker (the body's ``user`` string, or an Anthropic body's ``metadata.u
 caller's TCP port, its start and end (wall-clock seconds) and its outcome (``running``,
 ``completed``, ``disconnected`` or ``failed``), so a test can count how often the provider ran
 each request; ``body_overrides`` lets a JSON request carry a ``fake`` object (``delay_ms``,
-``tokens``, ``token_interval_ms``) that replaces those options for that request alone.
+``tokens``, ``token_interval_ms``, ``fail_status``) that replaces those options for that
+request alone (``fail_status``: a request the runtime fails by what it carries).
 
 Code: ``_server`` (the pipeline, chat/completions/embeddings, probes, test hooks, the app),
 ``_responses``, ``_anthropic``, ``_pooling`` (rerank, score, tokenize), ``_media`` (audio,

@@ -141,6 +141,8 @@ class _Overrides(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     delay_ms: _NonNegative | None = None
     tokens: _NonNegative | None = None
     token_interval_ms: _NonNegative | None = None
+    # This request alone answers this status (a request a runtime fails by what it carries).
+    fail_status: _Status | None = None
 
 
 class _Execution(msgspec.Struct, kw_only=True):

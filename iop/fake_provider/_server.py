@@ -65,7 +65,8 @@ _BAD_JSON_MESSAGE: Final = (
 )
 _BAD_KEY: Final = _error_body("Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
 _UNHEALTHY: Final = _error_body("fake provider is unhealthy", "server_error", None, "service_unavailable")
-_BAD_OVERRIDES_MESSAGE: Final = "'fake' must be an object of non-negative integers delay_ms, tokens, token_interval_ms"
+_BAD_OVERRIDES_MESSAGE: Final = ("'fake' must be an object of non-negative integers delay_ms, tokens, "
+                                  "token_interval_ms, and an HTTP status fail_status")
 
 _GARBAGE_JSON: Final = b'{"id":"chatcmpl-garbage","object":"chat.completion","choices":[{"message":{"rol'
 # A stream that starts fine, then carries a data line that is not JSON, then ends normally.
@@ -332,6 +333,7 @@ class _FakeProvider:
                 return call.fail(401, "invalid x-api-key")
             return web.Response(status=401, body=_BAD_KEY, headers=call.headers())
         delay_ms, n, interval_ms = options.delay_ms, options.tokens, options.token_interval_ms
+        status = options.fail_status
         if self.hooks.body_overrides and is_object and "fake" in body:
             try:
                 overrides = msgspec.convert(body["fake"], type=_Overrides)
@@ -340,12 +342,12 @@ class _FakeProvider:
             delay_ms = delay_ms if overrides.delay_ms is None else overrides.delay_ms
             n = n if overrides.tokens is None else overrides.tokens
             interval_ms = interval_ms if overrides.token_interval_ms is None else overrides.token_interval_ms
+            status = status if overrides.fail_status is None else overrides.fail_status
 
         if options.hang and not await self._hang(request):
             return call.fail(503, "fake provider is shutting down", "server_error")
         if delay_ms > 0:
             await self._sleep(request, delay_ms / 1000)
-        status = options.fail_status
         if status is not None:
             type_ = "server_error" if status >= 500 else "invalid_request_error"
             return call.fail(status, f"fake provider failure (status {status})", type_)

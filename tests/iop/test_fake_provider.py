@@ -833,7 +833,18 @@ async def test_body_overrides_per_request(fake: Fake) -> None:
     assert events[-1] == "[DONE]"
 
 
-@pytest.mark.parametrize("overrides", [{"tokens": -1}, {"delay_ms": "1"}, {"nope": 1}, [1], 3])
+async def test_a_body_override_fails_that_request_alone(fake: Fake) -> None:
+    await post(fake, "/_fake/hooks", {"body_overrides": True})
+    status, answer = await post(fake, "/v1/chat/completions", {"model": "m", "fake": {"fail_status": 500}})
+    assert status == 500
+    assert_openai_error(answer)
+    status, _ = await post(fake, "/v1/chat/completions", {"model": "m"})
+    assert status == 200
+    assert fake.options.fail_status is None
+
+
+@pytest.mark.parametrize("overrides", [{"tokens": -1}, {"delay_ms": "1"}, {"nope": 1}, [1], 3,
+                                       {"fail_status": 99}])
 async def test_body_overrides_rejected_when_invalid(fake: Fake, overrides: Any) -> None:
     await post(fake, "/_fake/hooks", {"body_overrides": True})
     status, body = await post(fake, "/v1/chat/completions", {"model": "m", "fake": overrides})

@@ -38,6 +38,7 @@ class Finished:
     event: events.Event | None
     mode: str
     tokens: int
+    verdict: str = ""
 
 
 class RecordingSide:
@@ -58,11 +59,12 @@ class RecordingSide:
         self.later.append(event)
 
     async def finish(self, job: Assignment, event: bytes | None, *, mode: str = "done", tokens: int = 0,
-                     prompt: int = 0, cached: int = 0) -> FinishOutcome:
+                     prompt: int = 0, cached: int = 0, verdict: str = "") -> FinishOutcome:
         if self.finish_failures:
             self.finish_failures -= 1
             raise RedisConnectionError("Redis away")
-        self.finished.append(Finished(job.job, events.decode(event) if event is not None else None, mode, tokens))
+        self.finished.append(Finished(job.job, events.decode(event) if event is not None else None, mode, tokens,
+                                      verdict))
         return FinishOutcome.RELEASED
 
 
@@ -137,6 +139,7 @@ async def test_an_answer_is_finished_and_its_provider_told_it_answered(runner: R
     assert finished.event.status == 200
     assert json.loads(finished.event.body)["choices"][0]["message"]["content"]
     assert finished.tokens == 3  # from the answer's usage
+    assert finished.verdict == "ok"  # for the evidence finish keeps of its 5xx (lua/lib/evidence.lua)
     assert runner.providers.told == [("answered", "p")]
     assert len(runner.runs) == 0  # its run ended with it
 
@@ -153,14 +156,33 @@ async def test_a_stream_goes_out_as_it_comes_then_ends(runner: Runner) -> None:
 # --------------------------------------------------------------------------- failures
 
 
-async def test_a_provider_5xx_fails_the_job_for_a_retry_and_the_provider_for_a_probe(runner: Runner) -> None:
-    runner.options.fail_status = 502
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_a_provider_5xx_fails_the_job_for_a_retry_and_is_evidence_not_a_verdict(runner: Runner,
+                                                                                    status: int) -> None:
+    runner.options.fail_status = status
     with anyio.fail_after(EVENTUALLY_S):
         await runner.runner.run(chat_job())
     [finished] = runner.side.finished
     assert isinstance(finished.event, Failed)
-    assert finished.event.status == 502
+    assert finished.event.status == status
     assert finished.mode == "retry"  # no output yet: another provider of its lane may take it
+    # The provider stays in rotation: the 5xx may be the request's fault; finish weighs it
+    # with the evidence of other requests (lua/lib/evidence.lua).
+    assert finished.verdict == str(status)
+    assert runner.providers.told == []
+
+
+async def test_a_provider_that_refuses_connections_leaves_at_once(runner: Runner) -> None:
+    job = chat_job()
+    adapter = runner.runner._adapters.for_job("p")
+    assert adapter is not None
+    adapter.root = f"http://{HOST}:{free_port()}"  # nothing listens there
+    with anyio.fail_after(EVENTUALLY_S):
+        await runner.runner.run(job)
+    [finished] = runner.side.finished
+    assert isinstance(finished.event, Failed)
+    assert finished.mode == "retry"
+    assert finished.verdict == ""  # out already: nothing for the evidence
     # Out of rotation at once; probed once the job released its slot.
     assert runner.providers.told == [("call_failed", "p"), ("probe_now", "p")]
 
@@ -173,6 +195,7 @@ async def test_a_provider_4xx_is_the_caller_business(runner: Runner) -> None:
     assert isinstance(finished.event, Failed)
     assert finished.event.status == 400
     assert finished.mode == "done"
+    assert finished.verdict == "ok"  # it answered: a 4xx says it works
     assert runner.providers.told == []
 
 

@@ -51,6 +51,7 @@ class Upstream:
 
     has_health: bool = True
     chat_status: int = 200
+    chat_garbage: bool = False  # chat answers 200 with a body that is not JSON
     seen: list[str] = field(default_factory=list)
     url: str = ""
 
@@ -61,6 +62,8 @@ class Upstream:
         if request.path == "/v1/models":
             return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
         if request.path == "/v1/chat/completions":
+            if self.chat_garbage:
+                return web.Response(body=b"{not json", content_type="application/json")
             if self.chat_status != 200:
                 return web.json_response({"error": {"message": "boom", "type": "server_error"}},
                                          status=self.chat_status)
@@ -237,33 +240,49 @@ async def test_a_busy_provider_is_asked_only_its_harmless_path(
 # --------------------------------------------------------------------------- calls as the signal
 
 
-async def test_a_failed_call_marks_the_provider_unavailable_with_its_error(
+async def test_a_call_that_fails_its_way_marks_the_provider_unavailable_with_its_error(
     redis: Redis, redis_server: RedisServer, upstream: Upstream
 ) -> None:
     async with serving(redis_server, upstream, "openai_api") as worker:
         await health_is(redis, "available", "")
         mark = await until_busy_seen(redis, upstream)
 
-        upstream.chat_status = 502
+        upstream.chat_garbage = True
         assert isinstance(await call(worker), Failed)
-        found = await health_is(redis, "unavailable", f"provider {PROVIDER} answered 502")
+        found = await health_is(redis, "unavailable", "the provider answered with invalid JSON")
         assert found["reported_models"] == json.dumps([SERVED])  # the whole probe's word on its models stays
         await heartbeats(redis, 3)
         assert (await state(redis))["health"] == "unavailable"  # no probe while busy overrules it
         assert upstream.since(mark) == ["/v1/chat/completions"]
 
         # A call it answers whole brings it back.
-        upstream.chat_status = 200
+        upstream.chat_garbage = False
         assert not isinstance(await call(worker, 2), Failed)
         await health_is(redis, "available", "")
 
         # So does a probe, as soon as it runs nothing.
-        upstream.chat_status = 503
+        upstream.chat_garbage = True
         await call(worker, 3)
-        await health_is(redis, "unavailable", f"provider {PROVIDER} answered 503")
+        await health_is(redis, "unavailable", "the provider answered with invalid JSON")
         await set_in_flight(redis, 0)
         await health_is(redis, "available", "")
         assert "/v1/models" in upstream.since(mark)
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_a_5xx_answer_alone_leaves_the_provider_in_rotation(
+    status: int, redis: Redis, redis_server: RedisServer, upstream: Upstream
+) -> None:
+    # It may be the request's fault: only the evidence of several requests ejects it
+    # (lua/lib/evidence.lua; tests/dispatcher/test_ejection.py, tests/e2e/test_ejection.py).
+    async with serving(redis_server, upstream, "openai_api") as worker:
+        await health_is(redis, "available", "")
+        await until_busy_seen(redis, upstream)
+        upstream.chat_status = status
+        assert isinstance(await call(worker), Failed)
+        await heartbeats(redis, 3)
+        assert (await state(redis))["health"] == "available"
+        assert worker.providers.health[PROVIDER].healthy
 
 
 async def test_a_refused_connection_marks_the_provider_unavailable(

@@ -1,0 +1,231 @@
+"""The capacity controller (workers/capacity.py) on its own: what it makes of engine readings,
+of latency, and of rate-limit answers, with time given by the test."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.capacity import (
+    HOLD_S,
+    TICK_S,
+    CallSample,
+    LimitController,
+    RateLimits,
+    reset_s,
+    retry_after_s,
+)
+from workers.engine_metrics import EngineLoad
+
+
+def engine(running: int, waiting: int, kv: float | None = None, at: float = 0.0) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting, kv_usage=kv, at=at)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def step(self) -> float:
+        self.now += TICK_S
+        return self.now
+
+
+def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, external: int = 0) -> list[int]:
+    """Ticks against an engine of ``batch`` slots that iop keeps full (a backlog waits):
+    it runs min(total, batch) and queues the rest; the limits after each tick."""
+    limits = []
+    for _ in range(ticks):
+        now = clock.step()
+        own = ctl.limit - external  # iop fills its share
+        total = own + external
+        ctl.note_in_flight(own)
+        ctl.tick(now, backlog=True, engine=engine(min(total, batch), max(total - batch, 0), at=now), external=external)
+        limits.append(ctl.limit)
+    return limits
+
+
+def test_it_starts_safe_and_rises_to_the_engine_s_batch_then_stays_near_it() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    assert ctl.limit == 2
+    limits = run_engine(ctl, clock, batch=8, ticks=60)
+    assert max(limits) <= 12  # slow start overshoots by at most its last step
+    assert all(8 <= x <= 9 for x in limits[10:]), limits  # settled at the knee, or one above
+    assert "engine queue" in ctl.reason or "engine queue 0" in ctl.reason
+
+
+def test_it_follows_a_batch_that_shrinks_and_grows_again() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    run_engine(ctl, clock, batch=16, ticks=40)
+    assert 16 <= ctl.limit <= 17
+    limits = run_engine(ctl, clock, batch=4, ticks=4)
+    assert limits[0] == 4  # one reading with a queue is enough
+    assert ctl.reason.startswith("engine queue")
+    limits = run_engine(ctl, clock, batch=10, ticks=int(3 * HOLD_S / TICK_S))
+    assert 10 <= limits[-1] <= 11
+
+
+def test_load_iop_does_not_send_takes_its_share_not_the_limit() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    limits = run_engine(ctl, clock, batch=8, ticks=40, external=3)
+    # The limit is the engine's (8 or 9); iop's share of it is 3 less.
+    assert all(8 <= x <= 9 for x in limits[15:]), limits
+
+
+def test_a_full_kv_cache_holds_the_limit() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=6)
+    for _ in range(10):
+        now = clock.step()
+        ctl.note_in_flight(6)
+        ctl.tick(now, backlog=True, engine=engine(6, 0, kv=0.97, at=now), external=0)
+    assert ctl.limit == 6
+
+
+def test_no_backlog_no_rise() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=4)
+    for _ in range(10):
+        now = clock.step()
+        ctl.note_in_flight(4)
+        ctl.tick(now, backlog=False, engine=engine(4, 0, at=now), external=0)
+    assert ctl.limit == 4
+
+
+def test_bounds_hold() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(3, 5)
+    assert ctl.limit == 3
+    run_engine(ctl, clock, batch=32, ticks=30)
+    assert ctl.limit == 5
+    run_engine(ctl, clock, batch=1, ticks=3)
+    assert ctl.limit == 3
+
+
+def test_a_stale_engine_reading_says_nothing() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=8)
+    now = clock.step()
+    ctl.note_in_flight(8)
+    ctl.tick(now, backlog=True, engine=engine(4, 9, at=now - 10), external=0)
+    assert ctl.limit == 8
+
+
+# --------------------------------------------------------------------------- latency only
+
+
+def stream_call(ttft: float, tpot: float = 0.02, tokens: int = 64) -> CallSample:
+    return CallSample(e2e_s=ttft + tpot * (tokens - 1), ttft_s=ttft, tokens=tokens)
+
+
+def simulate_latency(ctl: LimitController, clock: Clock, batch: int, ticks: int, speed: float = 1.0,
+                     service_s: float = 1.3) -> list[int]:
+    """An engine without metrics: calls dispatched beyond its batch wait for a slot, which
+    shows in their time to first token; ``speed``: a slowdown of everything (x3: 3.0)."""
+    limits = []
+    for _ in range(ticks):
+        now = clock.step()
+        ctl.note_in_flight(ctl.limit)
+        queued = max(ctl.limit - batch, 0)
+        for _ in range(4):
+            wait = queued * service_s * speed / batch
+            ctl.observe(stream_call((0.05 * speed) + wait, tpot=0.02 * speed))
+        ctl.tick(now, backlog=True, engine=None, external=0)
+        limits.append(ctl.limit)
+    return limits
+
+
+def test_latency_alone_finds_the_knee() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    limits = simulate_latency(ctl, clock, batch=8, ticks=80)
+    assert all(7 <= x <= 9 for x in limits[-40:]), limits
+    assert "time to first token" in ctl.reason or "latency flat" in ctl.reason
+
+
+def test_a_provider_slowed_down_as_a_whole_is_not_taken_for_a_queue() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    simulate_latency(ctl, clock, batch=8, ticks=60)
+    before = ctl.limit
+    limits = simulate_latency(ctl, clock, batch=8, ticks=40, speed=3.0)
+    assert min(limits) >= before - 1, limits
+
+
+def test_latency_rises_only_on_calls_that_showed_no_queue() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=4)
+    for _ in range(10):
+        now = clock.step()
+        ctl.note_in_flight(4)
+        ctl.tick(now, backlog=True, engine=None, external=0)  # no calls finished: no evidence
+    assert ctl.limit == 4
+
+
+def test_json_calls_judge_by_time_per_token() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=8)
+    for _ in range(5):
+        now = clock.step()
+        ctl.note_in_flight(8)
+        for _ in range(4):
+            ctl.observe(CallSample(e2e_s=1.0, ttft_s=None, tokens=50))
+        ctl.tick(now, backlog=False, engine=None, external=0)
+    now = clock.step()
+    for _ in range(4):
+        ctl.observe(CallSample(e2e_s=3.5, ttft_s=None, tokens=50))
+    ctl.tick(now, backlog=False, engine=None, external=0)
+    assert ctl.limit < 8
+    assert ctl.reason.startswith("time per output token")
+
+
+# --------------------------------------------------------------------------- rate limits
+
+
+def test_a_429_pauses_for_its_retry_after() -> None:
+    rl = RateLimits()
+    assert rl.answered(429, {"Retry-After": "7"}, now=1000.0)
+    assert rl.paused_until == pytest.approx(1007.0)
+    assert "429" in rl.reason
+    rl.answered(429, {"retry-after-ms": "1500"}, now=1000.0)
+    assert rl.paused_until == pytest.approx(1007.0)  # the longer of the two stands
+
+
+def test_429s_without_a_header_back_off() -> None:
+    rl = RateLimits()
+    rl.answered(429, {}, now=0.0)
+    assert rl.paused_until == pytest.approx(1.0)
+    rl.answered(429, {}, now=0.0)
+    assert rl.paused_until == pytest.approx(2.0)
+    rl.answered(200, {}, now=0.0)
+    rl.answered(429, {}, now=10.0)
+    assert rl.paused_until == pytest.approx(11.0)
+
+
+def test_the_requests_left_in_the_window_cap_the_limit_until_its_reset() -> None:
+    rl = RateLimits()
+    rl.answered(200, {"x-ratelimit-remaining-requests": "3", "x-ratelimit-reset-requests": "6m0s"}, now=0.0)
+    assert rl.limit(10, now=1.0) == 3
+    assert rl.limit(10, now=361.0) == 10
+    rl.answered(200, {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "20ms"}, now=5.0)
+    assert rl.paused_until == pytest.approx(5.02)
+
+
+def test_anthropic_headers_too() -> None:
+    rl = RateLimits()
+    rl.answered(200, {"anthropic-ratelimit-requests-remaining": "0",
+                      "anthropic-ratelimit-requests-reset": "1970-01-01T00:00:30Z"}, now=10.0)
+    assert rl.paused_until == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [("1s", 1.0), ("6m0s", 360.0), ("20ms", 0.02), ("1h2m3s", 3723.0),
+                                              ("0.5", 0.5)])
+def test_reset_durations(raw: str, seconds: float) -> None:
+    assert reset_s({"x": raw}, 0.0, "x") == pytest.approx(seconds)
+
+
+def test_retry_after_as_a_date() -> None:
+    assert retry_after_s({"retry-after": "Thu, 01 Jan 1970 00:01:40 GMT"}, 40.0) == pytest.approx(60.0)
+    assert retry_after_s({"retry-after": "soon"}, 0.0) is None

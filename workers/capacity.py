@@ -1,0 +1,354 @@
+"""``capacity: auto``: the concurrency limit of one provider, learned by its node's worker from
+what the provider does and what its engine reports (the worker's part that reads the signals
+and publishes the limit is workers/capacity_control.py).
+
+The controller is **queue-based**: a continuous-batching engine runs up to its batch (its
+``max_num_seqs``, ``--parallel``, or what its KV memory holds) and queues the rest; past that
+knee throughput stops growing and every request waits in the engine, where iop's fairness,
+priorities, affinity, deadlines and cancellation cannot act. So the limit is the most the
+engine runs without queueing:
+
+* **Engine metrics** (vLLM, SGLang, llama.cpp's server: workers/engine_metrics.py), trusted
+  first: an engine that queues (``waiting`` > 0) is full at what it runs, so the limit falls
+  to its ``running`` (all clients' requests: load iop does not send counts against iop's
+  share, ``external``); an engine that queues nothing while iop fills every slot of its
+  share and has more waiting rises; a KV cache at least ``KV_FULL`` used holds it.
+* **Latency**, everywhere, and alone when the engine says nothing (or its reading is older
+  than ``STALE_S``): a request that waits in the engine shows it in its time to first token
+  against its per-token time, ``ttft / tpot`` -- dimensionless, so a provider that slows
+  down as a whole (another model loaded, a GPU shared) does not read as queueing. When the
+  median of the last calls' ratio is over ``QUEUE_FACTOR`` x its unqueued level (a low
+  quantile of a long window), the limit falls by that gradient (Envoy's gradient
+  controller, on a signal a batching engine gives); it rises only on calls that showed no
+  queueing. A JSON call has no first token: its time per output token stands in.
+
+The limit rises multiplicatively (x ``SLOW_START``) until the provider first shows a queue,
+then by one slot per tick (``TICK_S``), and after a fall it does not try above where it
+fell from for ``HOLD_S``: it settles on the knee, or one above it, rather than sawing.
+It never leaves ``[floor, ceiling]`` (the provider's ``min_capacity`` / ``max_capacity``).
+Rate-limit headers and 429s of hosted APIs are another matter (``RateLimits``): they pause
+or cap what iop sends for exactly as long as the upstream says.
+
+Alternatives considered (docs/DESIGN.md "Capacity that iop learns", docs/BENCHMARKS.md):
+Vegas on TTFT (an estimated queue from min and recent RTT) reads a uniform slowdown as a
+queue; Envoy's gradient on raw latency needs periodic drops to concurrency 1 to re-learn its
+minimum, which costs a busy provider its throughput; llm-d's saturation threshold
+(``max(queue/5, kv/0.8)``) stops routing to a full endpoint but learns no limit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.engine_metrics import EngineLoad
+
+TICK_S = 0.5  # how often the limit may move
+STALE_S = 2.0  # an engine reading older than this says nothing
+KV_FULL = 0.92  # KV cache use at which the limit stops rising (preemption is near)
+SLOW_START = 1.5  # the multiplier of rises before the first queue
+HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
+QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
+MIN_SAMPLES = 3  # calls a latency verdict needs
+WINDOW = 256  # calls the unqueued level is taken from
+UNQUEUED_QUANTILE = 0.2
+
+
+@dataclass(frozen=True)
+class CallSample:
+    """One call the provider answered (2xx), as its worker timed it."""
+
+    e2e_s: float  # from the call's start to its end
+    ttft_s: float | None  # to its first output (streams); None for a JSON answer
+    tokens: int  # completion tokens (0: not reported)
+
+    def queue_signal(self) -> float | None:
+        """Time to first token over time per output token (streams), or the time per output
+        token (JSON); None when the call says neither (one token, or none reported)."""
+        if self.ttft_s is not None and self.tokens > 1:
+            tpot = (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+            return self.ttft_s / tpot if tpot > 0 else None
+        if self.ttft_s is None and self.tokens > 0:
+            return self.e2e_s / self.tokens
+        return None
+
+
+@dataclass
+class Change:
+    """A move of the limit, and why (for the catalog: ``engine queue 3 at 9 running: 10 → 9``)."""
+
+    old: int
+    new: int
+    reason: str
+
+
+@dataclass
+class LimitController:
+    floor: int
+    ceiling: int
+    limit: int
+    reason: str = ""
+    # Set once the provider has shown a queue: rises are one slot at a time from then on.
+    slow_start: bool = True
+    _hold_until: float = 0.0
+    _quiet_until: float = 0.0
+    _last_clear: int = 0  # the last limit whose calls showed no queue (latency)
+    _fell_from: int = 0
+    _peak_in_flight: int = 0
+    _last_tick: float = 0.0
+    _window: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _window_json: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    _recent: list[CallSample] = field(default_factory=list)
+
+    @classmethod
+    def starting(cls, floor: int, ceiling: int, start: int | None = None, hint: int | None = None) -> LimitController:
+        """A safe start: ``start`` (a limit it learned before) or the engine's own slots hint,
+        else two, within the bounds."""
+        first = start if start is not None else hint if hint is not None else 2
+        first = min(max(first, floor), ceiling)
+        return cls(floor=floor, ceiling=ceiling, limit=first, reason=f"starting at {first}",
+                   slow_start=start is None)
+
+    # --- what the worker tells it -----------------------------------------------------------
+
+    def observe(self, sample: CallSample) -> None:
+        self._recent.append(sample)
+
+    def note_in_flight(self, in_flight: int) -> None:
+        """iop's requests on the provider now (every worker's): the tick's peak."""
+        self._peak_in_flight = max(self._peak_in_flight, in_flight)
+
+    # --- the decision --------------------------------------------------------------------------
+
+    def due(self, now: float) -> bool:
+        return now - self._last_tick >= TICK_S
+
+    def tick(self, now: float, backlog: bool, engine: EngineLoad | None, external: int) -> Change | None:
+        """Move the limit, or not. ``backlog``: jobs wait in the provider's lanes; ``engine``:
+        its last reading (None: none); ``external``: load iop does not send, counted in
+        ``engine`` and against iop's share of the limit."""
+        self._last_tick = now
+        samples, self._recent = self._recent, []
+        peak, self._peak_in_flight = self._peak_in_flight, 0
+        # Every slot of iop's share was taken with more waiting: the provider is the bottleneck.
+        saturated = backlog and peak >= self.limit - external
+        fresh = engine if engine is not None and engine.age_s(now) <= STALE_S else None
+        if fresh is not None and fresh.waiting is not None:
+            change = self._by_engine(now, fresh, saturated)
+            self._remember(samples)
+            return change
+        return self._by_latency(now, samples, saturated)
+
+    def _by_engine(self, now: float, engine: EngineLoad, saturated: bool) -> Change | None:
+        waiting, running = engine.waiting or 0, engine.running or 0
+        if waiting > 0:
+            target = max(self.floor, running)
+            if target < self.limit:
+                return self._fall(now, target, f"engine queue {waiting} at {running} running")
+            return None
+        if engine.kv_usage is not None and engine.kv_usage >= KV_FULL:
+            return None
+        if saturated:
+            return self._rise(now, "engine queue 0, every slot busy with more waiting")
+        return None
+
+    def _by_latency(self, now: float, samples: list[CallSample], saturated: bool) -> Change | None:
+        streams = [s for s in (c.queue_signal() for c in samples if c.ttft_s is not None) if s is not None]
+        jsons = [s for s in (c.queue_signal() for c in samples if c.ttft_s is None) if s is not None]
+        verdict: tuple[float, str] | None = None
+        for values, window, what in ((streams, self._window, "time to first token / time per token"),
+                                     (jsons, self._window_json, "time per output token")):
+            if len(values) >= MIN_SAMPLES and len(window) >= MIN_SAMPLES:
+                level = _quantile(window, UNQUEUED_QUANTILE)
+                if level > 0:
+                    gradient = statistics.median(values) / level
+                    if verdict is None or gradient > verdict[0]:
+                        verdict = (gradient, what)
+            window.extend(values)
+        if verdict is not None and verdict[0] > QUEUE_FACTOR:
+            if now < self._quiet_until:
+                return None  # calls dispatched before the last fall, finishing now
+            gradient, what = verdict
+            # A call that waits in the engine waits about as long whether one or five are
+            # over its batch: the gradient says that requests queue, not by how many. Back
+            # to the last level that showed none in slow start, else one slot down.
+            target = self._last_clear if self.slow_start and self._last_clear < self.limit else self.limit - 1
+            if target >= self.floor:
+                change = self._fall(now, target, f"{what} {gradient:.1f}x its unqueued level")
+                self._quiet_until = now + statistics.median(c.e2e_s for c in samples)
+                return change
+            return None
+        if verdict is not None:
+            self._last_clear = self.limit
+            if saturated:
+                return self._rise(now, "every slot busy with more waiting, latency flat")
+        return None
+
+    def _remember(self, samples: list[CallSample]) -> None:
+        for c in samples:
+            signal = c.queue_signal()
+            if signal is not None:
+                (self._window if c.ttft_s is not None else self._window_json).append(signal)
+
+    def _fall(self, now: float, target: int, why: str) -> Change:
+        old = self.limit
+        self.limit = max(self.floor, target)
+        self.slow_start = False
+        self._fell_from = old
+        self._hold_until = now + HOLD_S
+        self.reason = f"{why}: {old} → {self.limit}"
+        return Change(old, self.limit, self.reason)
+
+    def _rise(self, now: float, why: str) -> Change | None:
+        if self.limit >= self.ceiling:
+            return None
+        step = max(1, math.ceil(self.limit * (SLOW_START - 1))) if self.slow_start else 1
+        target = min(self.limit + step, self.ceiling)
+        if now < self._hold_until and target >= self._fell_from:
+            target = self._fell_from - 1
+        if target <= self.limit:
+            return None
+        old = self.limit
+        self.limit = target
+        self.reason = f"{why}: {old} → {self.limit}"
+        return Change(old, self.limit, self.reason)
+
+
+def _quantile(values: deque[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * q), len(ordered) - 1)]
+
+
+# --------------------------------------------------------------------------- hosted APIs
+
+
+@dataclass
+class RateLimits:
+    """What an upstream's rate-limit answers say iop may send it: nothing until
+    ``paused_until`` (a 429's ``retry-after``, or a window with no request left until its
+    reset), and at most ``cap`` requests at once until ``cap_until`` (the requests left in
+    the window). Times are ``time.time()`` seconds (the headers' resets are wall-clock)."""
+
+    paused_until: float = 0.0
+    cap: int | None = None
+    cap_until: float = 0.0
+    reason: str = ""
+    _consecutive_429: int = 0
+
+    def answered(self, status: int, headers: dict[str, str], now: float | None = None) -> bool:
+        """Read an answer's headers; whether what iop may send changed."""
+        now = time.time() if now is None else now
+        lowered = {k.lower(): v for k, v in headers.items()}
+        before = (self.paused_until, self.cap, self.cap_until)
+        if status == 429:
+            self._consecutive_429 += 1
+            wait = retry_after_s(lowered, now)
+            if wait is None:
+                wait = min(2.0 ** (self._consecutive_429 - 1), 30.0)
+            self.paused_until = max(self.paused_until, now + wait)
+            self.reason = f"429: nothing sent for {wait:g}s"
+        else:
+            self._consecutive_429 = 0
+            remaining = _int_header(lowered, "x-ratelimit-remaining-requests",
+                                    "anthropic-ratelimit-requests-remaining")
+            reset = reset_s(lowered, now, "x-ratelimit-reset-requests", "anthropic-ratelimit-requests-reset")
+            if remaining is not None and reset is not None:
+                if remaining <= 0:
+                    self.paused_until = max(self.paused_until, now + reset)
+                    self.reason = f"no request left in the upstream's window: nothing sent for {reset:g}s"
+                else:
+                    self.cap, self.cap_until = remaining, now + reset
+            tokens_left = _int_header(lowered, "x-ratelimit-remaining-tokens", "anthropic-ratelimit-tokens-remaining")
+            tokens_reset = reset_s(lowered, now, "x-ratelimit-reset-tokens", "anthropic-ratelimit-tokens-reset")
+            if tokens_left is not None and tokens_left <= 0 and tokens_reset is not None:
+                self.paused_until = max(self.paused_until, now + tokens_reset)
+                self.reason = f"no token left in the upstream's window: nothing sent for {tokens_reset:g}s"
+        return before != (self.paused_until, self.cap, self.cap_until)
+
+    def limit(self, learned: int, now: float | None = None) -> int:
+        """``learned``, capped by the requests left in the upstream's window."""
+        now = time.time() if now is None else now
+        if self.cap is not None and now < self.cap_until:
+            return max(1, min(learned, self.cap))
+        return learned
+
+
+def _int_header(headers: dict[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = headers.get(name)
+        if raw is not None:
+            try:
+                return int(float(raw))
+            except ValueError:
+                return None
+    return None
+
+
+def retry_after_s(headers: dict[str, str], now: float) -> float | None:
+    """``retry-after-ms`` or ``retry-after`` (seconds, or an HTTP date), in seconds."""
+    if "retry-after-ms" in headers:
+        try:
+            return max(float(headers["retry-after-ms"]) / 1000, 0.0)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        return max(float(raw), 0.0)
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+    try:
+        return max(parsedate_to_datetime(raw).timestamp() - now, 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+def reset_s(headers: dict[str, str], now: float, *names: str) -> float | None:
+    """A window's reset in seconds from now: OpenAI's durations (``1s``, ``6m0s``, ``20ms``)
+    or Anthropic's RFC 3339 time."""
+    for name in names:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        seconds = _duration_s(raw)
+        if seconds is not None:
+            return seconds
+        from datetime import datetime
+        try:
+            return max(datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp() - now, 0.0)
+        except ValueError:
+            return None
+    return None
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _duration_s(text: str) -> float | None:
+    """``6m0s`` -> 360.0; a bare number is seconds; None if it is not a duration."""
+    text = text.strip()
+    try:
+        return max(float(text), 0.0)
+    except ValueError:
+        pass
+    total, number = 0.0, ""
+    i = 0
+    matched = False
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = "ms" if text.startswith("ms", i) else ch
+        if unit not in _UNITS or not number:
+            return None
+        total += float(number) * _UNITS[unit]
+        number, matched = "", True
+        i += len(unit)
+    return total if matched and not number else None

@@ -1,0 +1,240 @@
+"""The worker's part of capacity: what it reads of each of its node's providers, and what it
+publishes of them for every API replica and worker (``lua/capacity.lua``).
+
+One loop per provider reads, every ``BUSY_READ_S`` while iop runs requests there and every
+``IDLE_READ_S`` while it does not:
+
+* the engine's own load (workers/engine_metrics.py), where the provider's type publishes
+  one: what it runs and queues beyond iop's ``in_flight`` there is **load iop does not
+  send** (``external``), which counts against the provider in routing (``lib/pump.lua``);
+* its ``in_flight`` (every worker's jobs) and, for ``capacity: auto``, whether jobs wait in
+  its lanes.
+
+With ``capacity: auto`` a :class:`workers.capacity.LimitController` turns these, and the
+calls the provider answered (``called``), into the limit in force. Every provider's answers'
+rate-limit headers and 429s (:class:`workers.capacity.RateLimits`) pause it, or cap it, for as
+long as the upstream says. What changed is published at once; the rest at least every
+``PUBLISH_EVERY_S`` (the engine reading's age is shown in the catalog).
+
+A learned limit outlives the worker: a restarted worker starts from the one in Redis. Two
+workers of one node each learn from the calls they run and the engine readings they make;
+what they publish is close, and the last write stands.
+
+Cost: one small HTTP GET and one HGET per provider per read (``bench.capacity_fleet cost``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from dispatcher import keys, wire
+from dispatcher.config import ProviderConfig
+from dispatcher.worker_side import WorkerSide
+from workers.capacity import CallSample, LimitController, RateLimits
+from workers.engine_metrics import SOURCES, EngineLoad, EngineMetrics
+from workers.runtime import NodeRuntime, ProviderAdapters
+
+log = logging.getLogger("iop.worker")
+
+BUSY_READ_S = 0.25
+IDLE_READ_S = 1.0
+READ_TIMEOUT_S = 1.0
+PUBLISH_EVERY_S = 2.0
+SERVICE_WINDOW = 64  # calls the service time is the median of
+
+
+@dataclass
+class ProviderLoad:
+    """What the worker knows of one provider's load now."""
+
+    provider: ProviderConfig
+    controller: LimitController | None
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    metrics: EngineMetrics | None = None
+    engine: EngineLoad | None = None
+    external: int = 0
+    service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
+    published: tuple[int, int, int, str] | None = None
+    published_at: float = 0.0
+    moved: bool = False
+
+    def limit(self) -> int:
+        """The limit in force: the learned one (or the configured one), capped by the
+        upstream's rate-limit window."""
+        learned = self.controller.limit if self.controller is not None else self.provider.fixed_capacity
+        return self.rate_limits.limit(learned)
+
+
+class CapacityControl:
+    """Reads and publishes the load of ``runtime().node``'s providers (workers/capacity.py)."""
+
+    def __init__(self, runtime: Callable[[], NodeRuntime], adapters: ProviderAdapters, side: WorkerSide,
+                 redis: Redis) -> None:
+        self._runtime = runtime
+        self._adapters = adapters
+        self._side = side
+        self._redis = redis
+        self.loads: dict[str, ProviderLoad] = {}
+        self._tg: TaskGroup | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._scopes: dict[str, anyio.CancelScope] = {}
+        self._stopped = False
+
+    # --- what others ask -------------------------------------------------------------------
+
+    def capacity_of(self, provider: ProviderConfig) -> int:
+        """The capacity a heartbeat publishes: the limit in force."""
+        load = self.loads.get(provider.id)
+        if load is None or load.provider != provider:
+            return provider.capacity_bounds[0] if provider.auto else provider.fixed_capacity
+        return load.limit()
+
+    def called(self, provider_id: str, sample: CallSample | None, status: int, headers: dict[str, str]) -> None:
+        """A call the provider answered (``sample``: a 2xx, timed), with its status and headers."""
+        load = self.loads.get(provider_id)
+        if load is None:
+            return
+        if sample is not None:
+            if load.controller is not None:
+                load.controller.observe(sample)
+            load.service.append(sample.e2e_s)
+        if load.rate_limits.answered(status, headers):
+            load.published = None  # publish at the next read
+
+    # --- the loops ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._scope = anyio.CancelScope()
+        if self._stopped:
+            self._scope.cancel()
+        with self._scope:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for provider in self._runtime().node.providers:
+                    self.start(provider.id)
+                await anyio.sleep_forever()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def start(self, provider_id: str) -> None:
+        """Read and publish a provider (one a reload added or changed: afresh)."""
+        if self._tg is None:
+            return
+        self.forget(provider_id)
+        self._scopes[provider_id] = scope = anyio.CancelScope()
+        self._tg.start_soon(self._loop, provider_id, scope)
+
+    def forget(self, provider_id: str) -> None:
+        scope = self._scopes.pop(provider_id, None)
+        if scope is not None:
+            scope.cancel()
+        self.loads.pop(provider_id, None)
+
+    async def _loop(self, provider_id: str, scope: anyio.CancelScope) -> None:
+        with scope:
+            provider = self._runtime().provider(provider_id)
+            if provider is None:
+                return
+            load = await self._load_for(provider)
+            self.loads[provider_id] = load
+            while True:
+                busy = await self._read(load)
+                await self._publish(load)
+                await anyio.sleep(BUSY_READ_S if busy else IDLE_READ_S)
+
+    async def _load_for(self, provider: ProviderConfig) -> ProviderLoad:
+        controller = None
+        if provider.auto:
+            floor, ceiling = provider.capacity_bounds
+            learned = None
+            try:
+                fields = await self._redis.hmget(keys.provider(provider.id), ["capacity", "capacity_mode", "slots"])
+                if fields[1] == b"auto" and fields[0]:
+                    learned = int(fields[0])
+                hint = int(fields[2]) if fields[2] else None
+            except (RedisError, ValueError):
+                hint = None
+            controller = LimitController.starting(floor, ceiling, learned, hint)
+        metrics = None
+        adapter = self._adapters.current.get(provider.id)
+        session = getattr(adapter, "session", None)
+        if provider.type in SOURCES and provider.base_url and session is not None:
+            metrics = EngineMetrics(session, provider.base_url, provider.type, getattr(adapter, "headers", None))
+        return ProviderLoad(provider, controller, metrics=metrics)
+
+    async def _read(self, load: ProviderLoad) -> bool:
+        """One reading of the provider; whether iop runs requests there."""
+        pid = load.provider.id
+        if load.metrics is not None and load.metrics.available:
+            reading = await load.metrics.read(READ_TIMEOUT_S)
+            if reading is not None:
+                load.engine = reading
+        plan_queues = self._runtime().calls.plans.provider_queues.get(pid, frozenset())
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(keys.provider(pid), "in_flight")
+                queues = sorted(plan_queues) if load.controller is not None else []
+                for queue in queues:
+                    pipe.zcard(queue)
+                replies = await pipe.execute()
+        except RedisError as exc:
+            log.debug("capacity of %s: %s", pid, exc)
+            return True
+        in_flight = int(replies[0] or 0)
+        backlog = any(int(n) for n in replies[1:])
+        engine = load.engine
+        now = time.monotonic()
+        fresh = engine is not None and engine.age_s(now) <= 2 * BUSY_READ_S + READ_TIMEOUT_S
+        if fresh and engine is not None:
+            # What the engine runs and queues beyond iop's own requests there.
+            load.external = max((engine.running or 0) + (engine.waiting or 0) - in_flight, 0)
+        else:
+            load.external = 0
+        ctl = load.controller
+        if ctl is not None:
+            ctl.note_in_flight(in_flight)
+            if ctl.due(now):
+                change = ctl.tick(now, backlog, engine if fresh else None, load.external)
+                if change is not None:
+                    load.moved = True
+                    log.info("capacity of %s: %s", pid, change.reason)
+        return in_flight > 0
+
+    async def _publish(self, load: ProviderLoad) -> None:
+        limit = load.limit()
+        hold_s = max(load.rate_limits.paused_until - time.time(), 0.0)
+        reason = load.controller.reason if load.controller is not None else ""
+        state = (limit, load.external, round(hold_s), reason)
+        now = time.monotonic()
+        if state == load.published and now - load.published_at < PUBLISH_EVERY_S:
+            return
+        engine = load.engine
+        report = wire.CapacityReport(
+            capacity=limit, mode="auto" if load.provider.auto else "fixed", external=load.external,
+            hold_ms=round(hold_s * 1000), hold_reason=load.rate_limits.reason if hold_s > 0 else "",
+            reason=reason,
+            engine=msgspec.json.encode(wire.EngineReading(
+                running=engine.running, waiting=engine.waiting, kv_usage=engine.kv_usage,
+                age_ms=round(engine.age_s(now) * 1000))).decode() if engine is not None else "",
+            service_ms=round(statistics.median(load.service) * 1000, 1) if load.service else 0.0,
+            moved=load.moved)
+        try:
+            await self._side.publish_capacity(load.provider.id, report)
+        except RedisError as exc:
+            log.debug("capacity of %s not published: %s", load.provider.id, exc)
+            return
+        load.published, load.published_at, load.moved = state, now, False
