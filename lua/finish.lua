@@ -40,11 +40,9 @@
 --!include lib/settle_lost.lua
 --!include lib/pump.lua
 --!include lib/limits.lua
+--!include lib/lane_at.lua
 --!include lib/hash_fields.lua
 --!include lib/evidence_window.lua
---!include lib/eject.lua
---!include lib/blame.lua
---!include lib/answered.lua
 --!include lib/evidence.lua
 
 -- What finish reads of its provider: its token window and totals, and its 5xx evidence.

@@ -18,7 +18,9 @@
 --                max_queued (0: none); the job id is '<tenant>~<id>'
 --              limits (a tenant with rate limits or a budget): wire.Limits, lib/limits.lua
 --              predict_ms: refuse a job that would wait, when its place in the queue and
---                the lane's drain interval (lib/drain_rate.lua drain_interval) say it would
+--                the lane's drain interval (lib/drain_rate.lua drain_interval; before it
+--                is measured, lib/service_interval.lua's, from the providers' service
+--                times and limits) say it would
 --                wait longer than this 1 time in 20 (the caller's deadline, or the
 --                model's refuse_predicted_over_ms)
 -- ARGV[5]    request body
@@ -37,6 +39,7 @@
 --!include lib/num.lua
 --!include lib/unavailable_lane.lua
 --!include lib/drain_rate.lua
+--!include lib/service_interval.lua
 --!include lib/pump.lua
 --!include lib/limits.lua
 
@@ -131,7 +134,7 @@ if in_queue then
     -- a sum of k independent intervals as spread as their mean (sd sqrt(k) x interval). It
     -- is refused when even the 95th percentile of that, k + 1.65 sqrt(k) intervals, is over
     -- its deadline: what it admits starts in time 19 times out of 20.
-    local interval = drain_interval(QUEUE)
+    local interval = drain_interval(QUEUE) or service_interval(LANE, now)
     local k = interval and redis.call('ZRANK', QUEUE, job) + 1
     local predicted = interval and (k + 1.65 * math.sqrt(k)) * interval
     if predicted and predicted > opts.predict_ms then

@@ -42,6 +42,7 @@ from dispatcher import keys, wire
 from dispatcher.config import ProviderConfig
 from dispatcher.worker_side import WorkerSide
 from workers.capacity import CallSample, LimitController, RateLimits
+from workers.adapters.probes import lacks_health
 from workers.engine_metrics import SOURCES, EngineLoad, EngineMetrics
 from workers.runtime import NodeRuntime, ProviderAdapters
 
@@ -173,7 +174,10 @@ class CapacityControl:
         adapter = self._adapters.current.get(provider.id)
         session = getattr(adapter, "session", None)
         if provider.type in SOURCES and provider.base_url and session is not None:
-            metrics = EngineMetrics(session, provider.base_url, provider.type, getattr(adapter, "headers", None))
+            root = getattr(adapter, "root", provider.base_url)
+            silent = (lambda: lacks_health(root)) if provider.type == "llamacpp" else None
+            metrics = EngineMetrics(session, provider.base_url, provider.type, getattr(adapter, "headers", None),
+                                    silent)
         return ProviderLoad(provider, controller, metrics=metrics)
 
     async def _read(self, load: ProviderLoad) -> bool:

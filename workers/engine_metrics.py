@@ -27,6 +27,7 @@ its label sets (a data-parallel server reports one per engine).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -127,8 +128,10 @@ class EngineMetrics:
     """Reads one provider's engine load, when its type publishes one (``SOURCES``)."""
 
     def __init__(self, session: aiohttp.ClientSession, root: str, provider_type: str,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, silent: Callable[[], bool] | None = None) -> None:
         self._session = session
+        # Never asked while this says so (a llamacpp-type server without /health: llama-cpp-python).
+        self._silent = silent
         self._root = root.rstrip("/")
         self._names = SOURCES.get(provider_type)
         self._headers = headers or {}
@@ -139,7 +142,8 @@ class EngineMetrics:
     @property
     def available(self) -> bool:
         """Whether it is worth asking now (a type with metrics, not found missing lately)."""
-        return self._names is not None and time.monotonic() >= self._silent_until
+        return (self._names is not None and time.monotonic() >= self._silent_until
+                and not (self._silent is not None and self._silent()))
 
     async def read(self, timeout_s: float) -> EngineLoad | None:
         """A fresh reading, kept in ``last``; None when the engine gives none now."""

@@ -7,6 +7,7 @@
 -- failed so while the other providers of `lane` together failed under half as often (or
 -- had too few requests to tell). `rules`: the plan's ejection (dispatcher/wire.py Ejection).
 -- Returns the ejection in words ('' if none).
+--!include lib/dispatch_plan.lua
 --!include lib/hash_fields.lua
 --!include lib/evidence_window.lua
 --!include lib/eject.lua

@@ -13,6 +13,8 @@
 -- providers ejected (one of two or more always may be), or no other provider that can
 -- take work now. The provider's ej_n:<kind> counts its ejections (the catalog, /metrics).
 -- Returns the ejection in words ('' when refused).
+--!include lib/dispatch_plan.lua
+--!include lib/takes_work.lua
 --!include lib/hash_fields.lua
 --!include lib/evidence_window.lua
 

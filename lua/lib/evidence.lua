@@ -15,6 +15,7 @@
 -- deadline passed while it waited for a retry) blames nobody.
 -- `lane`: the job's lane (nil if the plan lacks it: nothing is ejected then). Returns the
 -- ejections decided, in words, '; '-joined.
+--!include lib/dispatch_plan.lua
 --!include lib/hash_fields.lua
 --!include lib/blame.lua
 --!include lib/answered.lua

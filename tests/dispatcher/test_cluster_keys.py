@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from dispatcher import config as cfg
-from dispatcher import events, keys
+from dispatcher import events, keys, wire
 from dispatcher.events import Assignment, Meta, Start
 from dispatcher.reaper import Reaper
 from dispatcher.script_calls import Abort, AbortReason, CancelReason
@@ -199,6 +199,8 @@ async def command_keys(redis: Redis, cmd: Command) -> list[str] | None:
 
 CONFIG = {
     "queue": {"queue_timeout_ms": 60_000},
+    # One 5xx another provider answered instead ejects: the scenario's finish reaches lib/eject.lua.
+    "ejection": {"consecutive_5xx": 1},
     "nodes": [
         {"id": "n1", "providers": [
             {"id": "a", "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1,
@@ -422,6 +424,20 @@ class Scenario:
         plan = h.calls.plans.by_queue[keys.queue("m2")]
         ks, head = plan.args(keys.PUMP_KEYS, h.config.dispatch.lease_ms)
         self.note("wake", await h.calls.scripts.wake(ks, head))
+
+        # A worker publishes what it learned of c's load (lua/capacity.lua).
+        self.note("capacity c", await self.n2.publish_capacity(
+            "c", wire.CapacityReport(capacity=2, mode="auto", external=1, reason="test", moved=True)))
+        # A 5xx, then the same request answered by another provider: the first is blamed, and
+        # ejected (lib/evidence.lua, lib/eject.lua read the lane's other providers).
+        for job in list(await self.running()):
+            await self.finish(job)
+        failing, status = await self.submit("m1")
+        assert status == "dispatched"
+        first = (await self.running())[failing].provider
+        assert await self.finish(failing, mode="retry", verdict="500") == "requeued"
+        assert await self.finish(failing, verdict="ok") == "released"
+        assert await self.redis.hget(keys.provider(first), "ej_trial") == b"1"
 
         # A dead replica: the reaper cancels its jobs (waiting and running ones).
         extra, _ = await self.submit("m1")

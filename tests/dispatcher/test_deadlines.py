@@ -12,7 +12,7 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.script_calls import SubmitStatus, Submitted
 from tests.dispatcher.test_scripts import Harness, make_config
 
@@ -89,3 +89,22 @@ async def test_a_model_may_shed_load_without_a_deadline(any_redis: Redis) -> Non
     assert (await h.send())[1].status == SubmitStatus.DEADLINE_UNMEETABLE
     # A caller's deadline counts where it is shorter, never where it is longer.
     assert (await h.send(deadline_ms=10_000))[1].status == SubmitStatus.DEADLINE_UNMEETABLE
+
+
+async def test_a_fresh_queue_is_predicted_from_its_providers_service_times(any_redis: Redis) -> None:
+    # Issue 30: before any backlog was measured, the providers' published service times and
+    # limits (lua/capacity.lua) predict the wait: one slot, 3 s per call, nine waiting: the
+    # tenth waits about 30 s, and a 500 ms deadline is refused at once, not after 500 ms.
+    h = DeadlineHarness(any_redis, make_config({"p": 1}, {"m": ["p"]}))
+    await h.up("p")
+    jobs = [(await h.send())[0] for _ in range(10)]
+    assert await h.interval() is None  # nothing drained yet
+    _, unmeasured = await h.send(deadline_ms=500)
+    assert unmeasured.status == SubmitStatus.QUEUED  # no service time published: nothing predicted
+    await h.node.publish_capacity("p", wire.CapacityReport(capacity=1, mode="auto", service_ms=3000.0))
+    _, refused = await h.send(deadline_ms=500)
+    assert refused.status == SubmitStatus.DEADLINE_UNMEETABLE
+    assert int(refused.why) > 20_000
+    _, queued = await h.send(deadline_ms=120_000)
+    assert queued.status == SubmitStatus.QUEUED
+    assert len(jobs) == 10

@@ -80,6 +80,7 @@ def _nothing_remembered() -> None:
     """Which path answers for health is remembered per server root; ports are reused."""
     probes._no_health.clear()
     probes._slots_source.clear()
+    probes._health_seen.clear()
 
 
 @pytest.fixture

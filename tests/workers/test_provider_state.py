@@ -47,6 +47,7 @@ def _nothing_remembered() -> None:
     """Which path answers for health is remembered per server root; ports are reused."""
     probes._no_health.clear()
     probes._slots_source.clear()
+    probes._health_seen.clear()
 
 
 def make_config(redis_url: str, *providers: dict[str, Any], **dispatch: Any) -> Config:

@@ -138,6 +138,8 @@ HTTP_PROBES: dict[str, HttpProbe] = {
 _slots_source: dict[str, int] = {}
 # Server roots whose health endpoint answered 404: their model list answers for it.
 _no_health: set[str] = set()
+# Servers whose /health answered a whole probe (llama-server): their engine metrics may be read.
+_health_seen: set[str] = set()
 _MAX_REMEMBERED = 1024
 
 
@@ -157,6 +159,13 @@ async def _get(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
             if len(body) > MAX_PROBE_BYTES:
                 raise _Failed("answer too large")
         return bytes(body)
+
+
+def lacks_health(root: str) -> bool:
+    """Whether the server at ``root`` has not (yet) shown a ``/health`` to a whole probe, or
+    answered it 404 since (llama-cpp-python behind the ``llamacpp`` type): such a server is
+    asked nothing while busy, engine metrics included (workers/engine_metrics.py)."""
+    return root not in _health_seen or root in _no_health
 
 
 def _worker_stalled(started: float, timeout_s: float) -> bool:
@@ -204,6 +213,8 @@ async def probe_http(
     if fell_back:
         _remember(_no_health, root)
     answers_health = health_path is not None and not fell_back
+    if answers_health:
+        _remember(_health_seen, root)
     slots = await _slots_hint(session, root, headers, spec, deadline) if spec.slots_from and answers_health else None
     return ProbeResult(True, "", models, loaded, slots)
 

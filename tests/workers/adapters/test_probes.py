@@ -105,9 +105,11 @@ def _fresh_slot_sources() -> Iterator[None]:
     reused between tests)."""
     probes._slots_source.clear()
     probes._no_health.clear()
+    probes._health_seen.clear()
     yield
     probes._slots_source.clear()
     probes._no_health.clear()
+    probes._health_seen.clear()
 
 
 @pytest.fixture
@@ -1282,3 +1284,13 @@ async def test_a_provider_that_is_silent_on_time_is_unavailable(
     assert not result.healthy
     assert result.reason == "GET /health timed out after 0.2s"
     assert runtime.paths == ["/health"]
+
+
+async def test_engine_metrics_of_a_llamacpp_server_are_read_only_once_it_showed_its_health(
+        fake: Fake, session: aiohttp.ClientSession) -> None:
+    # llama-cpp-python (no /health) is asked nothing while busy; llama-server, once a whole
+    # probe found its /health (workers/engine_metrics.py).
+    assert probes.lacks_health(fake.url)
+    result = await probe("llamacpp", fake.url, session)
+    assert result.healthy
+    assert not probes.lacks_health(fake.url)
