@@ -1,0 +1,198 @@
+"""A worker's reading of its providers' load, and what it publishes (workers/capacity_control.py):
+a real ``Worker`` in the test's event loop against a private redis-server, in front of an
+upstream served by the test (aiohttp) that reports its engine's load as vLLM does. iop's own
+load on the provider is played the way dispatch makes it: its ``in_flight`` in Redis, and a
+job waiting in its lane."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+from aiohttp import web
+from redis.asyncio import Redis
+
+from dispatcher import keys
+from dispatcher.catalog import read_catalog
+from dispatcher.config import parse
+from iop.redis_server import RedisServer, free_port
+from tests.workers.eventually import EVENTUALLY_S
+from workers.adapters import probes
+from workers.worker import Worker
+
+pytestmark = pytest.mark.anyio
+
+HOST = "127.0.0.1"
+PROVIDER = "p"
+SERVED = "served-model"
+
+
+@dataclass
+class Engine:
+    """A vLLM-shaped server whose engine load the test sets; ``metrics`` off: /metrics is 404."""
+
+    running: int = 0
+    waiting: int = 0
+    kv: float = 0.1
+    metrics: bool = True
+    has_health: bool = True
+    seen: list[str] = field(default_factory=list)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append(request.path)
+        if request.path == "/health" and self.has_health:
+            return web.json_response({})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+        if request.path == "/metrics" and self.metrics:
+            text = (f'vllm:num_requests_running{{model_name="{SERVED}"}} {self.running}\n'
+                    f'vllm:num_requests_waiting{{model_name="{SERVED}"}} {self.waiting}\n'
+                    f'vllm:kv_cache_usage_perc{{model_name="{SERVED}"}} {self.kv}\n')
+            return web.Response(text=text, content_type="text/plain")
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_remembered() -> None:
+    probes._no_health.clear()
+    probes._slots_source.clear()
+    probes._health_seen.clear()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Engine]:
+    up = Engine()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, HOST, port).start()
+    up.url = f"http://{HOST}:{port}"
+    try:
+        yield up
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving(redis_server: RedisServer, engine: Engine, provider_type: str = "vllm",
+                  **provider: Any) -> AsyncIterator[Worker]:
+    config = parse({
+        "redis": {"url": redis_server.url},
+        "models": [{"id": "m", "providers": {PROVIDER: SERVED}}],
+        "nodes": [{"id": "n1", "providers": [{"id": PROVIDER, "type": provider_type, "base_url": engine.url,
+                                              "models": [SERVED], "timeout_s": 10, **provider}]}],
+        "dispatch": {"heartbeat_interval_ms": 100, "heartbeat_ttl_ms": 2000, "probe_interval_ms": 200,
+                     "probe_timeout_ms": 1000, "drain_grace_s": 0},
+    }).config
+    worker = Worker(config, "n1")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        try:
+            yield worker
+        finally:
+            worker.stop()
+
+
+async def fields(redis: Redis) -> dict[str, str]:
+    raw: dict[bytes, bytes] = await redis.hgetall(keys.provider(PROVIDER))  # type: ignore[assignment]
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def until(redis: Redis, what: str, predicate: Any) -> dict[str, str]:
+    with anyio.fail_after(EVENTUALLY_S):
+        while True:
+            f = await fields(redis)
+            if predicate(f):
+                return f
+            await anyio.sleep(0.05)
+    raise AssertionError(what)
+
+
+async def busy(redis: Redis, in_flight: int, backlog: bool = True) -> None:
+    """iop runs ``in_flight`` requests there (another worker's dispatches: a record and a
+    lease each, which the reaper's reconcile counts), and more wait."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.LEASES)
+        for i in range(in_flight):
+            job = f"running-{i}"
+            pipe.hset(keys.JOBS, job, json.dumps({"model": "m", "replica": "r", "state": "d", "provider": PROVIDER}))
+            pipe.zadd(keys.LEASES, {job: 2**50})
+        pipe.hset(keys.provider(PROVIDER), "in_flight", in_flight)
+        await pipe.execute()
+    if backlog:
+        await redis.zadd(keys.queue("m"), {"waiting-job": 1})
+    else:
+        await redis.delete(keys.queue("m"))
+
+
+async def test_a_learned_capacity_falls_to_what_the_engine_runs_when_it_queues(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16):
+        first = await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        assert first["capacity"] == "2"  # the safe start
+        # iop fills its two slots and more wait; the engine keeps up: the limit rises.
+        engine.running, engine.waiting = 2, 0
+        await busy(redis, 2)
+        risen = await until(redis, "risen", lambda f: int(f["capacity"]) > 2)
+        assert "engine queue 0" in risen["cap_reason"]
+        # The engine queues at 1 running (its batch shrank, or its KV filled): the limit falls to it.
+        limit = int(risen["capacity"])
+        engine.running, engine.waiting = 1, 3
+        await busy(redis, limit)
+        fallen = await until(redis, "fallen", lambda f: f["capacity"] == "1")
+        assert fallen["cap_reason"].startswith("engine queue 3 at 1 running: ")
+        config = parse({"models": [{"id": "m", "providers": {PROVIDER: SERVED}}],
+                        "nodes": [{"id": "n1", "providers": [{"id": PROVIDER, "type": "vllm", "base_url": engine.url,
+                                                              "models": [SERVED], "capacity": "auto"}]}]}).config
+        view = (await read_catalog(redis, config)).providers[0]
+        assert view.capacity_mode == "auto"
+        assert view.capacity == 1
+        assert view.capacity_bounds == [1, 64]
+        assert view.capacity_reason.startswith("engine queue 3 at 1 running")
+        assert view.engine is not None
+        assert view.engine.waiting == 3
+        assert [x[1] for x in view.capacity_history][-1] == 1
+
+
+async def test_load_iop_does_not_send_is_published_for_a_fixed_capacity_too(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    async with serving(redis_server, engine, capacity=8):
+        engine.running, engine.waiting = 6, 1
+        await busy(redis, 2, backlog=False)
+        found = await until(redis, "external load", lambda f: f.get("ext") == "5")
+        assert found["capacity"] == "8"  # the config's
+        assert found["capacity_mode"] == "fixed"
+        engine.running, engine.waiting = 2, 0
+        await until(redis, "gone", lambda f: f.get("ext") == "0")
+
+
+async def test_a_server_without_health_is_never_asked_for_metrics(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    # llama-cpp-python behind the llamacpp type: no /health, and its routes take its model lock.
+    engine.has_health = False
+    async with serving(redis_server, engine, "llamacpp", capacity="auto"):
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto" and f.get("health") == "available")
+        await busy(redis, 1)
+        await anyio.sleep(1.0)
+        assert "/metrics" not in engine.seen
+
+
+async def test_without_metrics_the_capacity_is_learned_from_latency_alone(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    engine.metrics = False
+    async with serving(redis_server, engine, capacity="auto", max_capacity=8):
+        first = await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        assert first["capacity"] == "2"
+        await busy(redis, 2)
+        await anyio.sleep(1.5)
+        # Saturated, but no call finished: no evidence that more would keep up.
+        assert (await fields(redis))["capacity"] == "2"
+        assert "engine" not in (await fields(redis)) or (await fields(redis))["engine"] == ""
