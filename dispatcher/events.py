@@ -126,6 +126,9 @@ class Assignment(msgspec.Struct, frozen=True):
     submitted_ms: int
     dispatched_ms: int
     body: bytes
+    # It must go to this provider (a stored Response lives there): a retry or a requeue
+    # after a reload goes back to the provider's own lane, not to an endpoint's.
+    pinned: bool = False
 
     @property
     def queue_ms(self) -> int:
@@ -154,6 +157,7 @@ class Assignment(msgspec.Struct, frozen=True):
             submitted_ms=int(f[b"submitted_ms"]),
             dispatched_ms=int(f[b"dispatched_ms"]),
             body=f[b"body"],
+            pinned=f.get(b"pinned") == b"1",
         )
 
 

@@ -163,6 +163,8 @@ class ScriptCalls:
         refusal = wire.Refusal(keys.reply(""), keys.replica_jobs(""), REPLY_KEEP_MS, REFUSE_LIMIT)
         self._refusal = wire.encode(refusal)
         self._sweep = wire.encode(msgspec.structs.replace(refusal, silent_is_down=True))
+        # (model, lane, endpoint, pin) -> the queue a requeued job of that lane goes back to.
+        self._homes: dict[tuple[str, str, str, str | None], str] = {}
 
     # --- the API side -----------------------------------------------------------------------
 
@@ -235,10 +237,7 @@ class ScriptCalls:
         ``prompt``, ``cached``: its prompt tokens and those the provider served from its cache;
         ``verdict``: 'ok' the provider answered, '<status>' a 5xx, '' nothing to count
         (lua/lib/blame.lua). An ejection it decided is logged."""
-        base = job.lane.partition("#")[0]
-        # A lane of one provider may be the lane of the jobs pinned to it (the stream entry
-        # does not say): its home is the same lane under the new config either way.
-        queue = self._queue_now(job.model, job.lane, job.endpoint, base if base and "," not in base else None)
+        queue = self._queue_now(job.model, job.lane, job.endpoint, job.provider if job.pinned else None)
         plan, ks, head = self._settle_args(job.provider, node, job.replica, queue, keys.LIMITS)
         outcome, _, ejected, *woken = await self._pump(
             self.scripts.finish, plan, ks,
@@ -252,16 +251,18 @@ class ScriptCalls:
         return result
 
     def _queue_now(self, model: str, lane: str, endpoint: str, pin: str | None) -> str:
-        """The queue a dispatched job of ``lane`` goes back to if it is requeued: its lane's,
-        or, when a reload took that key away since, the lane it belongs in now
-        (``Plans.home_of``), so that a retry finds its lane's other providers and a requeued
-        job waits where it is pumped. When none is known, its old one (``rehome_queue`` then
-        settles it)."""
-        queue = keys.queue(model, lane)
-        if queue in self.plans.by_queue:
-            return queue
-        home = self.plans.home_of(model, lane, endpoint, pin)
-        return home.queue if home is not None else queue
+        """The queue a dispatched job of ``lane`` goes back to if it is requeued: the lane it
+        belongs in under the config in force (``Plans.home_of``: its lane's own, unless a
+        reload renamed it -- its old key may even be another lane's now, a provider's own
+        lane for pinned jobs), so that a retry finds its lane's other providers and a
+        requeued job waits where it is pumped. When none is known, its old one
+        (``rehome_queue`` then settles it)."""
+        found = self._homes.get((model, lane, endpoint, pin))
+        if found is None:
+            home = self.plans.home_of(model, lane, endpoint, pin)
+            found = home.queue if home is not None else keys.queue(model, lane)
+            self._homes[(model, lane, endpoint, pin)] = found
+        return found
 
     async def _wake(self, provider: str, woken: Sequence[bytes]) -> None:
         """Pump the lanes a release brought parked jobs back to that ``provider``'s plan, which

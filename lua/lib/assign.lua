@@ -33,7 +33,8 @@ local function assign(ctx, job, rec, lane, cand)
   local entry = redis.call('XADD', nkey, '*',
     'job', job, 'fence', fence, 'provider', cand.provider, 'target', cand.served, 'model', lane.model,
     'lane', lane.name, 'replica', rec.replica, 'endpoint', rec.endpoint, 'stream', rec.stream,
-    'attempt', rec.attempt, 'submitted_ms', rec.submitted_ms, 'dispatched_ms', now, 'body', body)
+    'attempt', rec.attempt, 'submitted_ms', rec.submitted_ms, 'dispatched_ms', now,
+    'pinned', rec.pin and 1 or 0, 'body', body)
   rec.state, rec.provider, rec.node, rec.target, rec.fence = 'd', cand.provider, cand.node, cand.served, fence
   rec.entry_id, rec.dispatched_ms, rec.output_started = entry, now, 0
   put_record(job, rec)
