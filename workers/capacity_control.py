@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 from dispatcher import keys, wire
 from dispatcher.config import ProviderConfig
 from dispatcher.worker_side import WorkerSide
-from workers.capacity import CallSample, LimitController, RateLimits
 from workers.adapters.probes import lacks_health
+from workers.capacity import CallSample, LimitController, RateLimits
 from workers.engine_metrics import SOURCES, EngineLoad, EngineMetrics
 from workers.runtime import NodeRuntime, ProviderAdapters
 

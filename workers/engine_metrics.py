@@ -1,14 +1,14 @@
 """What a provider's engine says of its own load, read by its node's worker (``capacity:
 auto``, and load iop does not send: workers/capacity.py).
 
-| type     | read from | running | waiting | KV use (0-1) |
-|----------|-----------|---------|---------|--------------|
-| vllm     | ``/metrics`` | ``vllm:num_requests_running`` | ``vllm:num_requests_waiting`` | ``vllm:kv_cache_usage_perc`` |
-| sglang   | ``/metrics`` | ``sglang:num_running_reqs`` | ``sglang:num_queue_reqs`` | ``sglang:token_usage`` |
-| llamacpp | ``/metrics`` | ``llamacpp:requests_processing`` | ``llamacpp:requests_deferred`` | (none) |
+| type     | running                          | waiting                       | KV use (0-1)                 |
+|----------|----------------------------------|-------------------------------|------------------------------|
+| vllm     | ``vllm:num_requests_running``    | ``vllm:num_requests_waiting`` | ``vllm:kv_cache_usage_perc`` |
+| sglang   | ``sglang:num_running_reqs``      | ``sglang:num_queue_reqs``     | ``sglang:token_usage``       |
+| llamacpp | ``llamacpp:requests_processing`` | ``llamacpp:requests_deferred`` | (none)                      |
 
-(vLLM before 0.10 names its KV use ``vllm:gpu_cache_usage_perc``; SGLang publishes metrics
-with ``--enable-metrics``, llama-server with ``--metrics``.)
+All from ``GET /metrics``. vLLM before 0.10 names its KV use ``vllm:gpu_cache_usage_perc``;
+SGLang publishes metrics with ``--enable-metrics``, llama-server with ``--metrics``.
 
 Every one of these is answered outside the engine's request path (a Prometheus exposition
 the server renders from counters it keeps), so it never disturbs generation. Other types

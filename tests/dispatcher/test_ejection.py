@@ -103,8 +103,10 @@ async def test_a_provider_other_providers_stand_in_for_is_ejected_after_its_stre
     assert view.health == "unavailable"
     assert view.reason.startswith("ejected: 5 consecutive 500s on different requests; on trial again at ")
     assert view.reason.endswith(" UTC")
-    assert view.ejection is not None and view.ejection.state == "ejected"
-    assert view.evidence is not None and view.evidence.ejections["consecutive_5xx"] == 1
+    assert view.ejection is not None
+    assert view.ejection.state == "ejected"
+    assert view.evidence is not None
+    assert view.evidence.ejections["consecutive_5xx"] == 1
     # Out of rotation: every new job goes to b, though a is idle and the tie-break favours it.
     for _ in range(3):
         job, _ = await h.submit("m")
@@ -151,8 +153,9 @@ async def test_the_last_provider_of_a_model_is_never_ejected_for_5xx(any_redis: 
     view = await provider_view(h, "a")
     assert view.health == "available"
     assert view.ejection is None
-    assert view.evidence is not None and view.evidence.streak_5xx == 12
-    job, state = await h.submit("m")
+    assert view.evidence is not None
+    assert view.evidence.streak_5xx == 12
+    _job, state = await h.submit("m")
     assert state == "dispatched"
 
 
@@ -174,7 +177,8 @@ async def test_an_ejection_ends_in_a_trial_of_one_request_and_an_answer_brings_i
     await age_ejection(h, "a")
     view = await provider_view(h, "a")
     assert view.health == "available"
-    assert view.ejection is not None and view.ejection.state == "on_trial"
+    assert view.ejection is not None
+    assert view.ejection.state == "on_trial"
     assert view.reason.startswith("on trial after an ejection (1 consecutive 500s on different requests)")
     # On trial: one request at a time, though it has 4 slots and is idle.
     trial, _ = await h.submit("m")
@@ -183,7 +187,8 @@ async def test_an_ejection_ends_in_a_trial_of_one_request_and_an_answer_brings_i
     assert [await dispatched_to(h, j) for j in others] == ["b", "b", "b"]
     await h.node.finish(await latest(h, trial), b"ok", verdict="ok")
     view = await provider_view(h, "a")
-    assert view.ejection is None and view.reason == ""
+    assert view.ejection is None
+    assert view.reason == ""
     more = [(await h.submit("m"))[0] for _ in range(3)]
     assert [await dispatched_to(h, j) for j in more] == ["a", "a", "a"]
 
@@ -227,8 +232,10 @@ async def test_at_most_max_ejected_percent_of_a_lane_is_ejected(any_redis: Redis
     assert second.provider == "c"
     await h.node.finish(second, b"ok", verdict="ok")
     view = await provider_view(h, "b")
-    assert view.ejection is None and view.health == "available"
-    assert view.evidence is not None and view.evidence.streak_5xx == 1
+    assert view.ejection is None
+    assert view.health == "available"
+    assert view.evidence is not None
+    assert view.evidence.streak_5xx == 1
 
 
 async def test_a_lane_whose_other_providers_cannot_take_work_uses_its_ejected_one(any_redis: Redis) -> None:
@@ -260,7 +267,8 @@ async def test_an_outlying_5xx_rate_ejects_though_no_streak_is_long_enough(any_r
             assert await fail_then_answer(h) == ("a", "b")
     view = await provider_view(h, "a")
     assert view.ejection is not None
-    assert view.evidence is not None and view.evidence.ejections["failure_rate"] == 1
+    assert view.evidence is not None
+    assert view.evidence.ejections["failure_rate"] == 1
     assert "requests answered 5xx" in view.ejection.reason
 
 
@@ -288,7 +296,8 @@ async def test_a_job_that_ends_without_an_answer_blames_nobody(any_redis: Redis)
     assert on_b.provider == "b"
     await h.node.finish(on_b, FAILED, mode="retry", verdict="500")  # requeued: waits for a
     record = await h.record(job)
-    assert record is not None and list(record.failed_5xx) == ["b|500"]
+    assert record is not None
+    assert list(record.failed_5xx) == ["b|500"]
     await h.api.cancel(job, keys.queue("m"), CancelReason.CLIENT)  # its client leaves while it waits
     assert (await fields(h, "b")).get("c5xx", "0") == "0"
     assert (await provider_view(h, "b")).ejection is None

@@ -1418,7 +1418,7 @@ MACHINES_RUN: set[str] = set()
 
 def test_the_machines_met_every_case_they_check() -> None:
     # After both machines (definition order): a check that never met its case proves nothing.
-    if MACHINES_RUN != {"SchedulerMachine", "FifoSchedulerMachine"}:
+    if {"SchedulerMachine", "FifoSchedulerMachine"} != MACHINES_RUN:
         pytest.skip("the scheduler machines did not both run in this session")
     for case in ("in_flight above a limit that fell", "provider ejected", "provider on trial", "a trial job"):
         assert SEEN_CASES[case], f"the machines never met: {case} ({dict(SEEN_CASES)})"

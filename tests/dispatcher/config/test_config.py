@@ -349,6 +349,36 @@ def test_cli_does_not_need_base_url() -> None:
     assert config.nodes[0].providers[0].command == ["my-llm", "--stdin"]
 
 
+def test_capacity_auto_and_its_bounds() -> None:
+    raw = base()
+    provider(raw).update(capacity="auto", min_capacity=2, max_capacity=32)
+    prov = cfg.parse(raw).config.nodes[0].providers[0]
+    assert prov.auto
+    assert prov.capacity_bounds == (2, 32)
+    assert prov.fixed_capacity == 32  # the most it may learn: what a node's HTTP pool is sized for
+    provider(raw).update(min_capacity=8, max_capacity=4)
+    assert [(p.path, p.message) for p in problems_of(raw)] == [
+        ("$.nodes[0].providers[0].max_capacity", "must not be below min_capacity (8), got 4")]
+    fixed = base()
+    provider(fixed).update(capacity=4, max_capacity=8)
+    assert [(p.path, p.message) for p in problems_of(fixed)] == [
+        ("$.nodes[0].providers[0].max_capacity", "only with capacity: auto (a fixed capacity is its own bound)")]
+    word = base()
+    provider(word).update(capacity="lots")
+    [problem] = problems_of(word)
+    assert problem.message == "Invalid enum value 'lots' (expected an integer or one of: auto)"
+
+
+def test_ejection_settings() -> None:
+    raw = base()
+    raw["ejection"] = {"base_s": 60, "max_s": 30}
+    assert [(p.path, p.message) for p in problems_of(raw)] == [
+        ("$.ejection.max_s", "must not be shorter than base_s (60), got 30")]
+    raw["ejection"] = {"max_ejected_percent": 101}
+    [problem] = problems_of(raw)
+    assert problem.path == "$.ejection.max_ejected_percent"
+
+
 def test_negative_capacity() -> None:
     raw = base()
     provider(raw)["capacity"] = -1
@@ -610,7 +640,8 @@ def test_unknown_nested_field_reports_its_path() -> None:
 @pytest.mark.parametrize(
     ("mutate", "path", "expected"),
     [
-        (lambda r: provider(r).update(capacity="2"), "$.nodes[0].providers[0].capacity", "`int`"),
+        (lambda r: provider(r).update(capacity="2"), "$.nodes[0].providers[0].capacity",
+         "expected an integer or one of: auto"),
         (lambda r: provider(r).update(capacity=True), "$.nodes[0].providers[0].capacity", "`bool`"),
         (lambda r: provider(r).update(command="echo hi"), "$.nodes[0].providers[0].command", "`str`"),
         (lambda r: provider(r).update(models="served-m1"), "$.nodes[0].providers[0].models", "`str`"),
