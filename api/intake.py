@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api.ratelimits import limits_for
 from api.runtime import Runtime
@@ -28,6 +29,7 @@ from dispatcher.config import ModelConfig
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
 from dispatcher.envelope import FORWARDED_HEADERS, JSON, RequestEnvelope, wrap
 from dispatcher.exceptions import (
+    BodyTooLarge,
     InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
@@ -116,6 +118,16 @@ async def read_body(request: Request[Any, Any, Any], rt: Runtime) -> bytes:
             return await request.body()
     except TimeoutError:
         raise RequestTimeout("The request body did not arrive in time") from None
+    except RequestEntityTooLarge:
+        raise too_large(request.headers, rt.config.api.max_body_bytes) from None
+
+
+def too_large(headers: Mapping[str, str], limit: int) -> BodyTooLarge:
+    """The answer to a body over ``limit`` (``api.max_body_bytes``, which Litestar enforces):
+    its size when the request announced it, and the limit, so the caller knows what fits."""
+    announced = headers.get("content-length", "")
+    size = f"is {announced} bytes" if announced.isdigit() and int(announced) > limit else f"is over {limit} bytes"
+    return BodyTooLarge(f"The request body {size}; this server takes at most {limit} bytes (api.max_body_bytes)")
 
 
 async def take(
