@@ -27,7 +27,8 @@ raises ``TypeError`` when the rules are read (``declared_ranges`` reads them all
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal, NamedTuple, Union
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, Union
 
 import msgspec
 from msgspec import inspect as mi
@@ -240,6 +241,25 @@ def _unwrap(info: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
         return info, extra
 
 
+_T = TypeVar("_T")
+
+
+def _per_type(derive: Callable[[mi.Type], _T]) -> Callable[[mi.Type], _T]:
+    """``derive``, remembered per type object: msgspec's type objects are not hashable, and
+    the walk asks the same ones again for every value (the objects of the cached
+    :func:`_type_info` trees, kept alive here so that their ids stay theirs)."""
+    known: dict[int, tuple[mi.Type, _T]] = {}
+
+    def derived(info: mi.Type) -> _T:
+        hit = known.get(id(info))
+        if hit is None or hit[0] is not info:
+            hit = known[id(info)] = (info, derive(info))
+        return hit[1]
+
+    return derived
+
+
+@_per_type
 def _strip(info: mi.Type) -> mi.Type:
     return _unwrap(info)[0]
 
@@ -270,6 +290,7 @@ class _FieldRule(NamedTuple):
     info: mi.Type
     range: Range | None
     required: bool
+    plain: frozenset[type]  # the types of the values it takes, whatever they are (:func:`_plainly_taken`)
 
 
 class _StructRules(NamedTuple):
@@ -287,7 +308,8 @@ def _rules(cls: type) -> _StructRules:
         if bounds is not None and field.required:
             # Dropping its value would only trade the problem for "missing required field".
             raise TypeError(f"{cls.__name__}.{field.name}: a field with a range needs a default")
-        rules[field.encode_name] = _FieldRule(field.encode_name, field.type, bounds, field.required)
+        rules[field.encode_name] = _FieldRule(field.encode_name, field.type, bounds, field.required,
+                                              _plainly_taken(field.type))
     return _StructRules(rules, info.forbid_unknown_fields)
 
 
@@ -344,12 +366,14 @@ def _walk_struct(value: dict[Any, Any], info: mi.StructType, path: str, findings
         rule = rules.fields.get(key) if isinstance(key, str) else None
         if rule is None:
             if not isinstance(key, str):
-                findings._report(path, f"{_type_problem(key, mi.StrType())} (mapping key)")
+                findings._report(path, f"{_type_problem(key, _STR)} (mapping key)")
             elif rules.forbid_unknown:
                 findings._report(key_path(path, key), f"unknown field `{key}`")
             else:
                 continue  # decoding ignores it
             new = _DROPPED
+        elif type(item) in rule.plain:
+            continue  # (most values: the walk's fast path)
         else:
             where = key_path(path, key)
             message = rule.range.problem(item) if rule.range is not None and rule.range.applies_to(item) else None
@@ -372,6 +396,8 @@ def _walk_struct(value: dict[Any, Any], info: mi.StructType, path: str, findings
 
 def _type_problem(value: Any, info: mi.Type) -> str | None:
     """msgspec's own words for ``value`` not being of type ``info``, or None (ranges included)."""
+    if type(value) in _plainly_taken(info):
+        return None
     try:
         msgspec.convert(value, type=_annotation(info))
     except msgspec.ValidationError as exc:
@@ -388,6 +414,30 @@ def _type_problem(value: Any, info: mi.Type) -> str | None:
     return None
 
 
+_STR = mi.StrType()
+
+
+@_per_type
+def _plainly_taken(info: mi.Type) -> frozenset[type]:
+    """The Python types of the values ``info`` takes whatever they are (no bound, no choice
+    of values): those need no msgspec.convert to tell."""
+    if isinstance(info, mi.Metadata):
+        return _plainly_taken(info.type)
+    if isinstance(info, mi.UnionType):
+        return frozenset().union(*(_plainly_taken(member) for member in info.types))
+    if isinstance(info, mi.IntType | mi.FloatType) and any(
+            getattr(info, name) is not None for name in ("gt", "ge", "lt", "le", "multiple_of")):
+        return frozenset()
+    if isinstance(info, mi.StrType) and (info.min_length, info.max_length, info.pattern) != (None, None, None):
+        return frozenset()
+    plain: dict[type, frozenset[type]] = {
+        mi.StrType: frozenset({str}), mi.BoolType: frozenset({bool}), mi.IntType: frozenset({int}),
+        mi.FloatType: frozenset({float, int}), mi.NoneType: frozenset({type(None)}),
+    }
+    return plain.get(type(info), frozenset())
+
+
+@_per_type
 def _annotation(info: mi.Type) -> Any:
     """The type ``info`` describes, as msgspec.convert takes it."""
     if isinstance(info, mi.Metadata):
