@@ -19,15 +19,18 @@ from typing import Any
 
 import msgspec
 from litestar import Request
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api.ratelimits import limits_for
 from api.runtime import Runtime
 from dispatcher import wire
 from dispatcher.affinity import blocks_of, session_block, session_of
+from dispatcher.api_side import StoredResponse
 from dispatcher.config import ModelConfig
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
 from dispatcher.envelope import FORWARDED_HEADERS, JSON, RequestEnvelope, wrap
 from dispatcher.exceptions import (
+    BodyTooLarge,
     InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
@@ -116,6 +119,16 @@ async def read_body(request: Request[Any, Any, Any], rt: Runtime) -> bytes:
             return await request.body()
     except TimeoutError:
         raise RequestTimeout("The request body did not arrive in time") from None
+    except RequestEntityTooLarge:
+        raise too_large(request.headers, rt.config.api.max_body_bytes) from None
+
+
+def too_large(headers: Mapping[str, str], limit: int) -> BodyTooLarge:
+    """The answer to a body over ``limit`` (``api.max_body_bytes``, which Litestar enforces):
+    its size when the request announced it, and the limit, so the caller knows what fits."""
+    announced = headers.get("content-length", "")
+    size = f"is {announced} bytes" if announced.isdigit() and int(announced) > limit else f"is over {limit} bytes"
+    return BodyTooLarge(f"The request body {size}; this server takes at most {limit} bytes (api.max_body_bytes)")
 
 
 async def take(
@@ -142,8 +155,8 @@ async def take(
     headers = forwarded(request) if spec.forwards else {}
     stored = wrap(RequestEnvelope(body, content_type=content_type, headers=headers, traceparent=traceparent))
     if previous is not None and endpoint == RESPONSES:
-        provider = await _maker(rt, previous, "previous_response_id")
-        lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, provider, previous))
+        maker = await _maker(rt, previous, "previous_response_id")
+        lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, maker, previous))
         return Intake(model, endpoint, stream, lane, True, stored, tenant,
                       limits=limits_for(tenant, body, True), deadline_ms=_deadline(request.headers))
     asked = None
@@ -179,7 +192,7 @@ async def take_stored(
     if request.url.query:
         path += f"?{request.url.query}"
     envelope = RequestEnvelope(body, request.method, path, JSON, forwarded(request), traceparent)
-    lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, stored.provider, response_id))
+    lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, stored, response_id))
     return Intake(model, RESPONSES, False, lane, True, wrap(envelope), tenant,
                   limits=limits_for(tenant, body, False, generates=False))
 
@@ -206,16 +219,26 @@ def forwarded(request: Request[Any, Any, Any]) -> dict[str, str]:
     return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
 
 
-async def _maker(rt: Runtime, response_id: str, param: str) -> str:
+async def _maker(rt: Runtime, response_id: str, param: str) -> StoredResponse:
     stored = await rt.jobs.stored_response(response_id)
     if stored is None:
         raise ResponseNotFound(f"Previous response with id '{response_id}' not found.", param=param)
-    return stored.provider
+    return stored
 
 
-def _pinned_lane(rt: Runtime, model: ModelConfig, provider: str, response_id: str) -> Lane:
-    lane = rt.plans.pinned_lane(model.id, provider)
-    if lane is None:
-        raise ResponseProviderGone(f"Response '{response_id}' lives on provider '{provider}', which no longer "
-                                   f"serves '{model.id}' here; start a new conversation")
-    return lane
+def _pinned_lane(rt: Runtime, model: ModelConfig, stored: StoredResponse, response_id: str) -> Lane:
+    """The lane of the provider that made the response, for ``model`` (the request's: a
+    follow-up may name another model than the response was made for)."""
+    lane = rt.plans.pinned_lane(model.id, stored.provider)
+    if lane is not None:
+        return lane
+    made = f"Response '{response_id}' lives on provider '{stored.provider}'"
+    if all(prov.id != stored.provider for _, prov in rt.config.providers()):
+        raise ResponseProviderGone(f"{made}, which is no longer in this gateway's config; start a new conversation")
+    if stored.model == model.id:
+        raise ResponseProviderGone(f"{made}, which no longer serves '{model.id}' here; start a new conversation")
+    # It made the response for another model; whether it ever served this one, iop cannot say.
+    again = (f"continue it with model '{stored.model}', or start a new conversation"
+             if rt.plans.pinned_lane(stored.model, stored.provider) is not None else "start a new conversation")
+    raise ResponseProviderGone(f"{made}, which made it for model '{stored.model}' and does not serve "
+                               f"'{model.id}' here: {again}")

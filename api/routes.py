@@ -7,13 +7,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from litestar import Request, Response, Router, delete, get, post
+import msgspec
+from litestar import Request, Response, Router, delete, get, post, route
 from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 
 from api.gateway import Gateway
+from api.head import GET_AND_HEAD, page
 from api.relay import relay
 from api.runtime import Runtime
 from dispatcher.endpoints import ENDPOINTS, RESPONSES
@@ -100,15 +102,19 @@ async def get_model(request: CallerRequest, rt: Rt, model_id: FromPath[str]) -> 
     return _model_card(rt, model_id)
 
 
-@get("/healthz", summary="The process is alive")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+_HEALTHY = msgspec.json.encode({"status": "ok"})
 
 
-@get("/readyz", summary="Redis is reachable and the scripts are loaded")
-async def readyz(gw: Gw) -> Response[dict[str, str]]:
+@route("/healthz", http_method=GET_AND_HEAD, summary="The process is alive")
+async def healthz(request: CallerRequest) -> Response[bytes]:
+    return page(request, _HEALTHY, "application/json")
+
+
+@route("/readyz", http_method=GET_AND_HEAD, summary="Redis is reachable and the scripts are loaded")
+async def readyz(request: CallerRequest, gw: Gw) -> Response[bytes]:
     ok, detail = await gw.ready()
-    return Response({"status": "ready" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503)
+    body = msgspec.json.encode({"status": "ready" if ok else "unavailable", "detail": detail})
+    return page(request, body, "application/json", 200 if ok else 503)
 
 
 def v1_router() -> Router:

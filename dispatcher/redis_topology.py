@@ -17,6 +17,7 @@ import abc
 import asyncio
 import logging
 import os
+import re
 from typing import Any, ClassVar
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
@@ -243,6 +244,30 @@ def data_url(config: RedisConfig) -> str:
     # The host is a placeholder: the locator says where the master is.
     netloc = f"{userinfo}@localhost" if userinfo else "localhost"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def described(config: RedisConfig) -> str:
+    """Which Redis ``config`` names, and where its URL comes from, for a line of a process's
+    log at start: never a password (the URL's, or one in its query, shows as ``***``)."""
+    env = os.environ.get("IOP_REDIS_URL")
+    source = "IOP_REDIS_URL" if env and env == config.url else "redis.url"
+    url = shown_url(config.url) if config.url else None
+    if config.sentinel is not None:
+        sentinel = config.sentinel
+        where = f"the master {sentinel.master!r} of the sentinels {', '.join(sentinel.nodes)} (redis.sentinel)"
+        return where + (f", with the db, TLS and credentials of {url} ({source})" if url else "")
+    if url is None:
+        return f"{DEFAULT_URL}, the default: neither IOP_REDIS_URL nor redis.url is set"
+    return f"the Redis Cluster of {url} ({source}, redis.cluster)" if config.cluster else f"{url} ({source})"
+
+
+def shown_url(url: str) -> str:
+    """``url`` with its password, if any, as ``***``."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        url = url.replace(parts.netloc, f"{userinfo.partition(':')[0]}:***@{host}", 1)
+    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
 
 
 def locator_for(config: RedisConfig) -> Locator:

@@ -138,8 +138,10 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
+    from iop.reload_target import process_at
     from iop.up import pid_file
 
+    stale = ""
     if args.pid is not None:
         pid = args.pid
     else:
@@ -150,12 +152,27 @@ def cmd_reload(args: argparse.Namespace) -> int:
             print(f"no `iop up` on port {args.port} ({path} is missing or unreadable); "
                   "use --pid with an `iop up`, `iop api` or `iop worker` process", file=sys.stderr)
             return 2
+        stale = f" ({path} is left from an `iop up` that is gone?)"
+    try:
+        found = process_at(pid)
+    except FileNotFoundError:
+        print(f"no process {pid}{stale}; nothing sent", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cannot tell what process {pid} is (/proc/{pid}: {exc.strerror}); nothing sent", file=sys.stderr)
+        return 2
+    if found.command is None:
+        # SIGHUP would most likely end it: the default action of a process that does not catch it.
+        print(f"process {pid} is not an `iop up`, `iop api` or `iop worker`{stale}: {found}; nothing sent",
+              file=sys.stderr)
+        return 2
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
         print(f"could not signal process {pid}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(f"sent SIGHUP to {pid}: it reads its config file again (its log says what changed, or every problem)")
+    print(f"sent SIGHUP to {pid} (iop {found.command}): it reads its config file again "
+          "(its log says what changed, or every problem)")
     return 0
 
 
@@ -223,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     reload = sub.add_parser("reload", help="make a running iop read its config file again (SIGHUP)")
     target = reload.add_mutually_exclusive_group()
     target.add_argument("--port", type=int, default=8080, help="the API port of the `iop up` to reload")
-    target.add_argument("--pid", type=int, help="an `iop up`, `iop api` or `iop worker` process to reload")
+    target.add_argument("--pid", type=int, help="an `iop up`, `iop api` or `iop worker` process to reload "
+                        "(another process is refused)")
     reload.set_defaults(func=cmd_reload)
 
     fake = sub.add_parser("fake-provider", help="run the fake OpenAI-compatible upstream (tests, demo, benchmarks)")

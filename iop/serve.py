@@ -19,10 +19,18 @@ from uvicorn.supervisors import Multiprocess
 from api.auth import exposure_notes
 from api.http_protocol import limited_protocol
 from dispatcher import tracing
-from dispatcher.config import Config
+from dispatcher.config import Config, RedisConfig
+from dispatcher.redis_topology import described
 from iop import logs
 
 log = logging.getLogger("iop.api")
+
+
+def log_redis(logger: logging.Logger, redis: RedisConfig) -> None:
+    """Say at start which Redis this process uses; a warning when it is the default, which
+    may well be some other program's Redis on this machine."""
+    default = redis.url is None and redis.sentinel is None
+    logger.log(logging.WARNING if default else logging.INFO, "Redis: %s", described(redis))
 
 
 def serve_api(
@@ -31,6 +39,7 @@ def serve_api(
 ) -> None:
     logs.configure(log_level, log_format, role="api")
     # Here, in the one process that binds the port, rather than in each server process.
+    log_redis(log, config.redis)
     for level, note in exposure_notes(config.api, host):
         log.log(level, "%s", note)
     # Server processes (one or many) build the app from this file.
@@ -87,6 +96,7 @@ def serve_worker(
     from workers.worker import Worker
 
     logs.configure(log_level, log_format, role="worker")
+    log_redis(logging.getLogger("iop.worker"), config.redis)
     tracing.setup(config, "worker", node_id)
     try:
         anyio.run(Worker(config, node_id, config_path).run, backend_options={"use_uvloop": True})

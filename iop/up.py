@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from dispatcher.config import Config, NodeConfig, load
 from dispatcher.exceptions import ConfigError
+from dispatcher.redis_topology import described
 from iop.processes import Child, stop_all, wait_http, wait_port
 from iop.redis_server import RedisServer, free_port
 
@@ -142,16 +143,15 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
     try:
         redis_url = config.redis.url
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if config.redis.sentinel is not None:
-            sentinel = config.redis.sentinel
-            lines.append(f"  redis    master {sentinel.master!r} of sentinels {', '.join(sentinel.nodes)} (configured)")
-        elif redis_url:
-            lines.append(f"  redis    {redis_url} ({'cluster seed, ' if config.redis.cluster else ''}configured)")
+        if config.redis.sentinel is not None or redis_url:
+            redis_line = described(config.redis)
         else:
             sup.redis = RedisServer(port=free_port())
             sup.redis.start()
             redis_url = sup.redis.url
-            lines.append(f"  redis    {redis_url} (embedded {sup.redis.binary}, v{sup.redis.version()})")
+            redis_line = f"{redis_url} (embedded {sup.redis.binary}, v{sup.redis.version()})"
+        print(f"redis: {redis_line}", flush=True)  # now: before anything that uses it can fail
+        lines.append(f"  redis    {redis_line}")
         if redis_url:
             env["IOP_REDIS_URL"] = redis_url
 

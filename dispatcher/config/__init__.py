@@ -1,12 +1,16 @@
-"""The configuration: YAML decoded straight into frozen structs, then cross-checked.
+"""The configuration: YAML decoded into frozen structs, then cross-checked.
 
-Decoding rejects unknown fields and wrong types with a ``$.path``; it stops at the first such
-error. Everything that needs more than one field to judge -- references between models and
-providers, duplicates, enums, ranges -- is checked afterwards by :func:`validate`, which
-reports *all* problems at once. The older route shape (``openai.model_routes`` +
-``nodes[].adapters``) is still accepted: it is converted to the pool shape before validation.
+Every problem of a file is reported at once, each with its ``$.path``, in the order of the
+file: the walk of :mod:`~dispatcher.config.field_rules` finds each unknown field, value of the
+wrong type or out of range, and missing required field (where msgspec's decoding would stop
+at the first), and lets a default stand in so that the rest is still decoded; then
+:func:`validate` checks everything that needs more than one field to judge -- references
+between models and providers, duplicates, enums, at least one model. The older route shape
+(``openai.model_routes`` + ``nodes[].adapters``) is still accepted: it is converted to the
+pool shape before validation.
 
     schema          the structs and their defaults
+    field_rules     each field's type, range and reload policy, checked value by value
     validation      validate() and secrets_in_file()
     legacy          the legacy route shape and its conversion to the pool shape
     loading         load(path) and parse(data), the ways in

@@ -1,4 +1,4 @@
-"""Each setting's range and reload policy, read from its annotation in :mod:`dispatcher.config.schema`.
+"""Each field's type, range and reload policy, read from its annotation in :mod:`dispatcher.config.schema`.
 
 A field says what it takes where it is declared, and nowhere else::
 
@@ -7,13 +7,17 @@ A field says what it takes where it is declared, and nowhere else::
     capacity: Annotated[int, NON_NEGATIVE, hint("0 keeps the provider out of rotation")] = 1
     redis: Annotated[RedisConfig, RESTART] = RedisConfig()
 
-msgspec enforces the bounds when it decodes, but stops at the first value out of range.
-:func:`out_of_range` finds them all in a raw document first, each at its ``$.path``, and drops
-each such value, so that the field's default stands in and decoding and the cross-field checks
-(:mod:`dispatcher.config.validation`) still run on the rest: every problem is reported at once.
-:func:`problems_in` checks a decoded config the same way (``validate()`` of a config built in
-code, and of legacy entries, converted before they are checked). :func:`restart_paths` lists the
-fields a running process keeps until its next restart (:mod:`dispatcher.reloading`).
+msgspec enforces types and bounds when it decodes, but stops at the first problem.
+:meth:`Findings.check` walks a raw document along the struct types first and finds them all,
+each at its ``$.path`` and in msgspec's own words: a value of the wrong type, a value out of
+range, an unknown field, a required field missing. Each bad value is dropped, so that its
+field's default stands in (a required field gets a placeholder of its type), and decoding and
+the cross-field checks (:mod:`dispatcher.config.validation`) still run on the rest: every
+problem is reported at once. :meth:`Findings.explains` tells which later problems only follow
+from a value stood in for. :func:`problems_in` checks a decoded config the same way
+(``validate()`` of a config built in code, and of legacy entries, converted before they are
+checked). :func:`restart_paths` lists the fields a running process keeps until its next
+restart (:mod:`dispatcher.reloading`).
 
 Only numeric bounds (``gt``, ``ge``, ``lt``, ``le``) on fields of structs are supported, on fields
 that have a default; a length, a pattern or a ``multiple_of``, or a range on a required field,
@@ -23,7 +27,8 @@ raises ``TypeError`` when the rules are read (``declared_ranges`` reads them all
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar, Union
 
 import msgspec
 from msgspec import inspect as mi
@@ -87,20 +92,64 @@ def _number(bound: float) -> str:
 _DROPPED = object()
 
 
-def out_of_range(document: Any, root: type) -> tuple[Any, list[ConfigProblem]]:
-    """``document`` (builtins, as decoded from YAML) without its values out of range, and a
-    problem for each of them.
+class Findings:
+    """What checking raw documents value by value found: every problem, each at its ``$.path``,
+    and where the file's value was replaced (a field's default, or a placeholder of its type).
 
-    The document is not modified: containers on the way to a dropped value are copied. Values
-    of the wrong type, and shapes that do not match the schema, are left for decoding to report.
+    One object may check several documents (the pool-shape core and the legacy sections of one
+    file): :meth:`explains` and :meth:`unsure` then answer for them all.
     """
-    problems: list[ConfigProblem] = []
-    return _walk(document, _type_info(root), "$", problems), problems
+
+    def __init__(self) -> None:
+        self.problems: list[ConfigProblem] = []
+        self._reported: set[str] = set()
+        self._replaced: set[str] = set()  # values dropped or stood in for
+        self._thinned: set[str] = set()  # mappings that lost an entry
+
+    def check(self, document: Any, root: Any, path: str = "$") -> Any:
+        """``document`` (builtins, as decoded from YAML) as ``root`` decodes without an error.
+
+        A value of the wrong type, out of range or at an unknown field is dropped, so that its
+        field's default stands in; a required field, and an item of a list, get a placeholder
+        of their type instead (so that the paths of the next items stay theirs). The document
+        is not modified: containers on the way to a change are copied.
+        """
+        checked = _walk(document, _type_info(root), path, self)
+        return self._stand_in(path, _type_info(root)) if checked is _DROPPED else checked
+
+    def unsure(self, path: str) -> bool:
+        """Whether the value at ``path`` is not the file's: replaced, or a mapping that lost an
+        entry. A check that reads it to claim something is missing (a reference to an id no
+        entry defines) is not made (:func:`dispatcher.config.validation.validate`)."""
+        return path in self._replaced or path in self._thinned
+
+    def explains(self, path: str) -> bool:
+        """Whether a later problem at ``path`` may only follow from one found here: at a path
+        already reported, at or under a replaced value, or at a mapping that lost an entry."""
+        if path in self._reported or path in self._thinned:
+            return True
+        return any(path == where or path.startswith((where + ".", where + "[")) for where in self._replaced)
+
+    def _report(self, path: str, message: str) -> None:
+        self.problems.append(ConfigProblem(path, message))
+        self._reported.add(path)
+
+    def _drop(self, path: str, message: str) -> object:
+        self._report(path, message)
+        self._replaced.add(path)
+        return _DROPPED
+
+    def _stand_in(self, path: str, info: mi.Type) -> Any:
+        self._replaced.add(path)
+        return _placeholder(info)
 
 
 def problems_in(config: msgspec.Struct) -> list[ConfigProblem]:
-    """A problem for each value out of range in a decoded ``config`` (its struct fields, nested)."""
-    return out_of_range(msgspec.to_builtins(config), type(config))[1]
+    """A problem for each value of the wrong type or out of range in a decoded ``config``
+    (its struct fields, nested): a struct built in code is not checked when it is made."""
+    findings = Findings()
+    findings.check(msgspec.to_builtins(config), type(config))
+    return findings.problems
 
 
 class Declared(NamedTuple):
@@ -192,6 +241,25 @@ def _unwrap(info: mi.Type) -> tuple[mi.Type, dict[str, Any]]:
         return info, extra
 
 
+_T = TypeVar("_T")
+
+
+def _per_type(derive: Callable[[mi.Type], _T]) -> Callable[[mi.Type], _T]:
+    """``derive``, remembered per type object: msgspec's type objects are not hashable, and
+    the walk asks the same ones again for every value (the objects of the cached
+    :func:`_type_info` trees, kept alive here so that their ids stay theirs)."""
+    known: dict[int, tuple[mi.Type, _T]] = {}
+
+    def derived(info: mi.Type) -> _T:
+        hit = known.get(id(info))
+        if hit is None or hit[0] is not info:
+            hit = known[id(info)] = (info, derive(info))
+        return hit[1]
+
+    return derived
+
+
+@_per_type
 def _strip(info: mi.Type) -> mi.Type:
     return _unwrap(info)[0]
 
@@ -227,54 +295,202 @@ class _FieldRule(NamedTuple):
     name: str
     info: mi.Type
     range: Range | None
+    required: bool
+    plain: frozenset[type]  # the types of the values it takes, whatever they are (:func:`_plainly_taken`)
+
+
+class _StructRules(NamedTuple):
+    fields: dict[str, _FieldRule]  # by the name in the document
+    forbid_unknown: bool
 
 
 @functools.cache
-def _rules(cls: type) -> tuple[_FieldRule, ...]:
+def _rules(cls: type) -> _StructRules:
     info = _type_info(cls)
     assert isinstance(info, mi.StructType)
-    rules = []
+    rules = {}
     for field in info.fields:
         bounds = _range(field.type)
         if bounds is not None and field.required:
             # Dropping its value would only trade the problem for "missing required field".
             raise TypeError(f"{cls.__name__}.{field.name}: a field with a range needs a default")
-        rules.append(_FieldRule(field.encode_name, field.type, bounds))
-    return tuple(rules)
+        rules[field.encode_name] = _FieldRule(field.encode_name, field.type, bounds, field.required,
+                                              _plainly_taken(field.type))
+    return _StructRules(rules, info.forbid_unknown_fields)
+
+
+def key_path(path: str, key: object) -> str:
+    """The path of ``key``'s value in the mapping at ``path`` (``[""]`` for the empty key)."""
+    return f"{path}.{key}" if key != "" else f'{path}[""]'
 
 
 # --------------------------------------------------------------------------- the walk
 
 
-def _walk(value: Any, info: mi.Type, path: str, problems: list[ConfigProblem]) -> Any:
-    """``value`` checked against ``info``: the same object when nothing in it was dropped."""
-    info = _strip(info)
-    if isinstance(info, mi.StructType) and isinstance(value, dict):
-        out: dict[Any, Any] | None = None
-        for rule in _rules(info.cls):
-            if rule.name not in value:
-                continue
-            item = value[rule.name]
-            where = f"{path}.{rule.name}"
-            if rule.range is not None:
-                message = rule.range.problem(item) if rule.range.applies_to(item) else None
-                if message is not None:
-                    problems.append(ConfigProblem(where, message))
-                new = _DROPPED if message is not None else item
-            else:
-                new = _walk(item, rule.info, where, problems)
-            if new is not item:
-                out = dict(value) if out is None else out
-                if new is _DROPPED:
-                    del out[rule.name]
-                else:
-                    out[rule.name] = new
-        return value if out is None else out
-    sequences = mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType
-    if isinstance(info, sequences) and isinstance(value, list):
-        items = [_walk(item, info.item_type, f"{path}[{i}]", problems) for i, item in enumerate(value)]
+_SEQUENCES = mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType
+
+
+def _walk(value: Any, info: mi.Type, path: str, findings: Findings) -> Any:
+    """``value`` checked against ``info``: the same object when nothing in it changed, a copy
+    with its bad parts replaced, or ``_DROPPED`` when it is itself bad (reported)."""
+    inner = _strip(info)
+    if isinstance(inner, mi.StructType) and isinstance(value, dict):
+        return _walk_struct(value, inner, path, findings)
+    if isinstance(inner, _SEQUENCES) and isinstance(value, list):
+        items = []
+        for i, item in enumerate(value):
+            where = f"{path}[{i}]"
+            new = _walk(item, inner.item_type, where, findings)
+            items.append(findings._stand_in(where, inner.item_type) if new is _DROPPED else new)
         return value if all(new is old for new, old in zip(items, value, strict=True)) else items
-    if isinstance(info, mi.DictType) and isinstance(value, dict):
-        entries = {key: _walk(item, info.value_type, f"{path}.{key}", problems) for key, item in value.items()}
-        return value if all(entries[key] is item for key, item in value.items()) else entries
-    return value
+    if isinstance(inner, mi.DictType) and isinstance(value, dict):
+        entries: dict[Any, Any] = {}
+        for key, item in value.items():
+            wrong_key = _type_problem(key, inner.key_type)
+            if wrong_key is not None:
+                findings._report(path, f"{wrong_key} (mapping key)")
+                findings._thinned.add(path)
+                continue
+            new = _walk(item, inner.value_type, key_path(path, key), findings)
+            if new is _DROPPED:
+                findings._thinned.add(path)
+            else:
+                entries[key] = new
+        same = len(entries) == len(value) and all(entries[key] is item for key, item in value.items())
+        return value if same else entries
+    problem = _type_problem(value, info)
+    return value if problem is None else findings._drop(path, problem)
+
+
+def _walk_struct(value: dict[Any, Any], info: mi.StructType, path: str, findings: Findings) -> Any:
+    rules = _rules(info.cls)
+    for name, field in rules.fields.items():
+        if field.required and name not in value:
+            findings._report(path, f"Object missing required field `{name}`")
+    out: dict[Any, Any] | None = None
+    for key, item in value.items():
+        rule = rules.fields.get(key) if isinstance(key, str) else None
+        if rule is None:
+            if not isinstance(key, str):
+                findings._report(path, f"{_type_problem(key, _STR)} (mapping key)")
+            elif rules.forbid_unknown:
+                findings._report(key_path(path, key), f"unknown field `{key}`")
+            else:
+                continue  # decoding ignores it
+            new = _DROPPED
+        elif type(item) in rule.plain:
+            continue  # (most values: the walk's fast path)
+        else:
+            where = key_path(path, key)
+            message = rule.range.problem(item) if rule.range is not None and rule.range.applies_to(item) else None
+            new = findings._drop(where, message) if message is not None else _walk(item, rule.info, where, findings)
+        if new is not item:
+            out = dict(value) if out is None else out
+            if new is _DROPPED:
+                del out[key]
+            else:
+                out[key] = new
+    if out is None:
+        out = value
+    missing = [name for name, rule in rules.fields.items() if rule.required and name not in out]
+    if missing:
+        out = dict(out)
+        for name in missing:
+            out[name] = findings._stand_in(key_path(path, name), rules.fields[name].info)
+    return out
+
+
+def _type_problem(value: Any, info: mi.Type) -> str | None:
+    """msgspec's own words for ``value`` not being of type ``info``, or None (ranges included)."""
+    if type(value) in _plainly_taken(info):
+        return None
+    try:
+        msgspec.convert(value, type=_annotation(info))
+    except msgspec.ValidationError as exc:
+        message, sep, where = str(exc).rpartition(" - at `")
+        if not sep:
+            message, where = str(exc), "$`"
+        inner = where.rstrip("`")
+        if inner != "$":  # (only where the walk does not go: a union of several container types)
+            message += f" (at {inner})"
+        choices = _strip(info)
+        if isinstance(choices, mi.LiteralType) and message.startswith("Invalid enum value"):
+            message += " (expected one of: " + ", ".join(str(v) for v in choices.values) + ")"
+        return message
+    return None
+
+
+_STR = mi.StrType()
+
+
+@_per_type
+def _plainly_taken(info: mi.Type) -> frozenset[type]:
+    """The Python types of the values ``info`` takes whatever they are (no bound, no choice
+    of values): those need no msgspec.convert to tell."""
+    if isinstance(info, mi.Metadata):
+        return _plainly_taken(info.type)
+    if isinstance(info, mi.UnionType):
+        return frozenset().union(*(_plainly_taken(member) for member in info.types))
+    if isinstance(info, mi.IntType | mi.FloatType) and any(
+            getattr(info, name) is not None for name in ("gt", "ge", "lt", "le", "multiple_of")):
+        return frozenset()
+    if isinstance(info, mi.StrType) and (info.min_length, info.max_length, info.pattern) != (None, None, None):
+        return frozenset()
+    plain: dict[type, frozenset[type]] = {
+        mi.StrType: frozenset({str}), mi.BoolType: frozenset({bool}), mi.IntType: frozenset({int}),
+        mi.FloatType: frozenset({float, int}), mi.NoneType: frozenset({type(None)}),
+    }
+    return plain.get(type(info), frozenset())
+
+
+@_per_type
+def _annotation(info: mi.Type) -> Any:
+    """The type ``info`` describes, as msgspec.convert takes it."""
+    if isinstance(info, mi.Metadata):
+        return _annotation(info.type)
+    if isinstance(info, mi.IntType | mi.FloatType):
+        base: type = int if isinstance(info, mi.IntType) else float
+        bounds = {name: getattr(info, name) for name in ("gt", "ge", "lt", "le", "multiple_of")
+                  if getattr(info, name) is not None}
+        return Annotated[base, msgspec.Meta(**bounds)] if bounds else base
+    simple = {mi.StrType: str, mi.BoolType: bool, mi.NoneType: None, mi.AnyType: Any}
+    if type(info) in simple:
+        return simple[type(info)]
+    if isinstance(info, mi.LiteralType):
+        return Literal[info.values]
+    if isinstance(info, mi.UnionType):
+        return Union[tuple(_annotation(member) for member in info.types)]  # noqa: UP007
+    if isinstance(info, mi.ListType):
+        return list[_annotation(info.item_type)]  # type: ignore[misc]
+    if isinstance(info, mi.VarTupleType):
+        return tuple[_annotation(info.item_type), ...]  # type: ignore[misc]
+    if isinstance(info, mi.SetType | mi.FrozenSetType):
+        return (set if isinstance(info, mi.SetType) else frozenset)[_annotation(info.item_type)]
+    if isinstance(info, mi.DictType):
+        return dict[_annotation(info.key_type), _annotation(info.value_type)]  # type: ignore[misc]
+    if isinstance(info, mi.StructType):
+        return info.cls
+    raise TypeError(f"{info}: not a type dispatcher.config.field_rules checks")
+
+
+def _placeholder(info: mi.Type) -> Any:
+    """A value of type ``info``, for a required field whose value is missing or wrong: the
+    problem is reported there, and what follows from the placeholder is not (:meth:`Findings.explains`)."""
+    info = _bare(info)
+    if isinstance(info, mi.UnionType):
+        if any(isinstance(member, mi.NoneType) for member in info.types):
+            return None
+        return _placeholder(info.types[0])
+    if isinstance(info, mi.LiteralType):
+        return info.values[0]
+    if isinstance(info, mi.StructType):
+        return {name: _placeholder(rule.info) for name, rule in _rules(info.cls).fields.items() if rule.required}
+    if isinstance(info, _SEQUENCES):
+        return []
+    if isinstance(info, mi.DictType):
+        return {}
+    if isinstance(info, mi.IntType | mi.FloatType):  # the lowest it takes, else 0
+        low = info.ge if info.ge is not None else info.gt + 1 if info.gt is not None else 0
+        return int(low) if isinstance(info, mi.IntType) else float(low)
+    zero = {mi.StrType: "", mi.BoolType: False, mi.NoneType: None, mi.AnyType: None}
+    return zero[type(info)]

@@ -23,11 +23,12 @@ no adapter, model ids defined twice, adapter keys that collide with other provid
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 
-from dispatcher.config.decode_errors import problem_from_validation
+from dispatcher.config.field_rules import Findings, key_path
 from dispatcher.config.schema import DEFAULT_CATEGORY, Config, ModelConfig, ProviderConfig
 from dispatcher.config.validation import validate
 from dispatcher.exceptions import ConfigProblem
@@ -95,20 +96,19 @@ class Conversion(msgspec.Struct, frozen=True, kw_only=True):
 # --------------------------------------------------------------------------- decoding
 
 
-def split(raw: dict[str, Any]) -> tuple[dict[str, Any], LegacyParts, list[ConfigProblem]]:
-    """``raw`` without its legacy sections, those sections decoded, and their structural problems.
+def split(raw: dict[str, Any]) -> tuple[dict[str, Any], LegacyParts, Findings]:
+    """``raw`` without its legacy sections, those sections decoded, and what checking them found.
 
-    The legacy sections are decoded with their own structs so that wrong types and unknown
-    fields come out at legacy paths; ``raw`` itself is not modified.
+    The legacy sections are checked against their own structs so that wrong types and unknown
+    fields come out at legacy paths, every one of them (:class:`Findings`); the same findings
+    go on to check the rest of the file. ``raw`` itself is not modified.
     """
     core = dict(raw)
-    problems: list[ConfigProblem] = []
+    findings = Findings()
     routes: list[LegacyRoute] = []
     if "openai" in core:
-        try:
-            routes = msgspec.convert(core.pop("openai"), type=LegacyOpenAI).model_routes
-        except msgspec.ValidationError as exc:
-            problems.append(_at("$.openai", exc))
+        section = findings.check(core.pop("openai"), LegacyOpenAI, "$.openai")
+        routes = msgspec.convert(section, type=LegacyOpenAI).model_routes
     adapters: dict[int, dict[str, LegacyAdapter]] = {}
     nodes = core.get("nodes")
     if isinstance(nodes, list):
@@ -116,35 +116,15 @@ def split(raw: dict[str, Any]) -> tuple[dict[str, Any], LegacyParts, list[Config
         for ni, node in enumerate(nodes):
             if isinstance(node, dict) and "adapters" in node:
                 node = dict(node)
-                adapters[ni] = _decode_adapters(f"$.nodes[{ni}].adapters", node.pop("adapters"), problems)
+                section = findings.check(node.pop("adapters"), dict[str, LegacyAdapter], f"$.nodes[{ni}].adapters")
+                adapters[ni] = msgspec.convert(section, type=dict[str, LegacyAdapter])
             core_nodes.append(node)
         core["nodes"] = core_nodes
-    return core, LegacyParts(routes=routes, adapters=adapters), problems
-
-
-def _decode_adapters(path: str, section: Any, problems: list[ConfigProblem]) -> dict[str, LegacyAdapter]:
-    try:
-        entries = msgspec.convert(section, type=dict[str, Any])
-    except msgspec.ValidationError as exc:
-        problems.append(_at(path, exc))
-        return {}
-    adapters: dict[str, LegacyAdapter] = {}
-    for key, value in entries.items():
-        # One instance at a time: a bad instance does not hide the problems of the next one.
-        try:
-            adapters[key] = msgspec.convert(value, type=LegacyAdapter)
-        except msgspec.ValidationError as exc:
-            problems.append(_at(adapter_path(path, key), exc))
-    return adapters
-
-
-def _at(prefix: str, exc: msgspec.ValidationError) -> ConfigProblem:
-    problem = problem_from_validation(exc)
-    return ConfigProblem(prefix + problem.path[1:], problem.message)
+    return core, LegacyParts(routes=routes, adapters=adapters), findings
 
 
 def adapter_path(adapters_path: str, key: str) -> str:
-    return f"{adapters_path}.{key}" if key else f'{adapters_path}[""]'
+    return key_path(adapters_path, key)
 
 
 def provider_of(key: str, adapter: LegacyAdapter) -> ProviderConfig:
@@ -188,13 +168,15 @@ class _Instance(msgspec.Struct, kw_only=True):
     added: list[str]
 
 
-def convert(config: Config, parts: LegacyParts) -> Conversion:
+def convert(config: Config, parts: LegacyParts, findings: Findings | None = None) -> Conversion:
     """Convert the legacy entries of a decoded file and check the whole result.
 
     Order is fixed so that loading a migrated file gives an equal :class:`Config`: routes
     become models after ``models[]``, in route order; adapter instances become providers
-    after each node's ``providers[]``, in mapping order.
+    after each node's ``providers[]``, in mapping order. ``findings``: what checking the
+    file found (:func:`split`), whose replaced values the checks do not hold against it.
     """
+    unsure = findings.unsure if findings is not None else (lambda path: False)
     paths = _PathMap()
     # Converted paths where validate() would report what a legacy check below reports better.
     owned: set[str] = set()
@@ -245,10 +227,12 @@ def convert(config: Config, parts: LegacyParts) -> Conversion:
                 targets.append(f"target {route.target!r} added to the models of provider {owner.key!r} "
                                f"(for route {path})")
         elif route.adapter not in new_providers:
-            known = ", ".join(sorted(by_key)) or "none"
-            problems.append(ConfigProblem(f"{path}.adapter", f"no node defines adapter {route.adapter!r} "
-                                                              f"(adapter instances: {known})"))
             owned.add(f"{view_path}.providers.{route.adapter}")
+            # Not when an adapter section or a provider the file got wrong may have defined it.
+            if not any(unsure(p) for p in _definitions(config, parts)):
+                known = ", ".join(sorted(by_key)) or "none"
+                problems.append(ConfigProblem(f"{path}.adapter", f"no node defines adapter {route.adapter!r} "
+                                                                  f"(adapter instances: {known})"))
 
     for inst in instances:
         inst.provider = msgspec.structs.replace(inst.provider, models=[*inst.provider.models, *inst.added])
@@ -271,8 +255,21 @@ def convert(config: Config, parts: LegacyParts) -> Conversion:
         for ni, node in enumerate(config.nodes)
     ]
     converted = msgspec.structs.replace(config, models=[*config.models, *routes], nodes=nodes)
-    generic = [ConfigProblem(paths.translate(p.path), p.message) for p in validate(converted) if p.path not in owned]
+    if unsure("$.openai") or unsure("$.openai.model_routes"):
+        owned.add("$.models")  # no model: the routes the file got wrong may have been its models
+    checked = validate(converted, unsure=lambda path: unsure(paths.translate(path)))
+    generic = [ConfigProblem(paths.translate(p.path), p.message) for p in checked if p.path not in owned]
     return Conversion(config=converted, problems=generic + problems, warnings=warnings, changes=changes)
+
+
+def _definitions(config: Config, parts: LegacyParts) -> Iterator[str]:
+    """The paths whose values say which adapter instances and providers exist."""
+    yield "$.nodes"
+    for ni, node in enumerate(config.nodes):
+        yield from (f"$.nodes[{ni}]", f"$.nodes[{ni}].providers", f"$.nodes[{ni}].adapters")
+        for pi in range(len(node.providers)):
+            yield from (f"$.nodes[{ni}].providers[{pi}]", f"$.nodes[{ni}].providers[{pi}].id")
+        yield from (adapter_path(f"$.nodes[{ni}].adapters", key) for key in parts.adapters.get(ni, {}))
 
 
 def _collisions(config: Config, instances: list[_Instance], owned: set[str]) -> tuple[list[ConfigProblem], set[str]]:

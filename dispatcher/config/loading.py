@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 
-from dispatcher.config import field_rules, legacy
+from dispatcher.config import legacy
 from dispatcher.config.decode_errors import problem_from_validation
+from dispatcher.config.field_rules import key_path
 from dispatcher.config.schema import Config
 from dispatcher.config.validation import secrets_in_file
 from dispatcher.exceptions import ConfigError, ConfigProblem
@@ -47,26 +49,66 @@ def parse(data: Any) -> Loaded:
     converted to the pool shape before validation, so the rules are written once, and problems
     found in them are reported at their legacy paths.
 
-    Every value out of its field's range is reported, and dropped before decoding (which would
-    stop at the first), so that the rest is still decoded and cross-checked: one pass lists
-    all of a file's problems.
+    Every problem of the file is reported at once, in the order of the document: each value of
+    the wrong type, out of range or at an unknown field, each required field missing
+    (:class:`~dispatcher.config.field_rules.Findings`, which drops such values, so that the rest
+    is still decoded), then every cross-field problem of the rest, but those that only follow
+    from a value dropped.
     """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("$", "the config must be a mapping")])
-    core, parts, problems = legacy.split(data)
-    core, out_of_range = field_rules.out_of_range(core, Config)
+    core, parts, findings = legacy.split(data)
+    core = findings.check(core, Config)
     try:
         config = msgspec.convert(core, type=Config)
-    except msgspec.ValidationError as exc:
-        problems.insert(0, problem_from_validation(exc, Config))
+    except msgspec.ValidationError as exc:  # what the walk let through: say so rather than crash
+        problems = [*findings.problems, problem_from_validation(exc, Config)]
+        raise ConfigError(_in_document_order(problems, data)) from None
+    conversion = legacy.convert(config, parts, findings)
+    problems = [*findings.problems, *(p for p in conversion.problems if not findings.explains(p.path))]
     if problems:
-        raise ConfigError([*out_of_range, *problems])
-    conversion = legacy.convert(config, parts)
-    if out_of_range or conversion.problems:
-        raise ConfigError([*out_of_range, *conversion.problems])
+        raise ConfigError(_in_document_order(problems, data))
     return Loaded(_normalised(conversion.config), [*conversion.warnings, *secrets_in_file(conversion.config)])
+
+
+def _in_document_order(problems: list[ConfigProblem], document: Any) -> list[ConfigProblem]:
+    """``problems`` in the order of the values they are about in ``document``; one about a value
+    the file does not hold (a field missing) comes after what the file holds of its parent.
+    Problems at the same place keep their order."""
+    places: dict[str, tuple[int, int]] = {}  # path -> (its place, the place after its contents)
+
+    def visit(value: Any, path: str) -> None:
+        start = len(places)
+        places[path] = (start, start)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, key_path(path, key))
+                if key == "":
+                    places.setdefault(f"{path}.", places[key_path(path, key)])
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]")
+        places[path] = (start, len(places))
+
+    visit(document, "$")
+
+    def place(problem: ConfigProblem) -> tuple[int, int]:
+        path = problem.path
+        if path in places:
+            return places[path][0], 0
+        while path != "$":
+            path = _PARENT.sub("", path) or "$"
+            if path in places:
+                return places[path][1] - 1, 1
+        return places["$"][1], 1
+
+    return sorted(problems, key=place)
+
+
+# The last step of a path: ".name", "[3]" or '[""]'.
+_PARENT = re.compile(r'(\.[^.\[]*|\[[^\]]*\])$')
 
 
 def read_document(path: str | Path) -> Any:

@@ -1,7 +1,8 @@
 """The configuration's shape: frozen structs that reject unknown fields, and their defaults.
 
-Decoding a document into :class:`Config` catches wrong types and misspelt fields, each with
-its ``$.path``; what needs more than one field to judge is :mod:`dispatcher.config.validation`'s.
+Checking a document against :class:`Config` catches wrong types and misspelt fields, each with
+its ``$.path`` (all of them: :mod:`dispatcher.config.field_rules`); what needs more than one
+field to judge is :mod:`dispatcher.config.validation`'s.
 
 A setting is declared once, here: its type, its default, its range (``POSITIVE``,
 ``NON_NEGATIVE``, any ``msgspec.Meta`` bounds) and, when a reload cannot apply it, ``RESTART``.

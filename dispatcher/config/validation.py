@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from fnmatch import fnmatchcase
 from urllib.parse import urlsplit
 
@@ -27,14 +27,32 @@ from dispatcher.config.schema import (
 from dispatcher.endpoints import DEFAULT_ENDPOINTS, ENDPOINTS
 from dispatcher.exceptions import ConfigProblem
 
+# What a config without models is told: the least it needs.
+NO_MODELS = ("no model is configured: a config needs at least one model (models[], each with "
+             "providers: {provider id: served name}) and the nodes[] whose providers serve it; "
+             "iop/demo.yaml, which `iop up` runs without --config, is an example")
 
-def validate(config: Config) -> list[ConfigProblem]:
+
+def _never(path: str) -> bool:
+    return False
+
+
+def validate(config: Config, *, unsure: Callable[[str], bool] = _never) -> list[ConfigProblem]:
     """Every problem of ``config``, each with the path of the offending value: values out of
-    the range their field declares, then the rules that need more than one field."""
+    the range their field declares, then the rules that need more than one field.
+
+    ``unsure(path)``: whether the value at ``path`` stands in for one the file got wrong
+    (:meth:`dispatcher.config.field_rules.Findings.unsure`), already reported. A rule that
+    reads such a value is not applied: a reference to an id that entry may have defined, or a
+    timing compared with a default, would only be a consequence of that problem.
+    """
     problems: list[ConfigProblem] = problems_in(config)
 
     def bad(path: str, message: str) -> None:
         problems.append(ConfigProblem(path, message))
+
+    def known(*paths: str) -> bool:
+        return not any(unsure(path) for path in paths)
 
     providers: dict[str, ProviderConfig] = {}
     prov: ProviderConfig | None
@@ -53,37 +71,53 @@ def validate(config: Config) -> list[ConfigProblem]:
 
     for path, mid in _duplicates((f"$.models[{i}].id", m.id) for i, m in enumerate(config.models)):
         bad(path, f"duplicate model id {mid!r}")
+    all_providers_known = known("$.nodes", *(
+        where for ni, node in enumerate(config.nodes)
+        for where in (f"$.nodes[{ni}]", f"$.nodes[{ni}].providers", *(
+            f"$.nodes[{ni}].providers[{pi}]{field}" for pi in range(len(node.providers)) for field in ("", ".id")))))
+    provider_paths = {p.id: f"$.nodes[{ni}].providers[{pi}]"
+                      for ni, node in reversed(list(enumerate(config.nodes)))
+                      for pi, p in reversed(list(enumerate(node.providers)))}
     for mi, model in enumerate(config.models):
         path = f"$.models[{mi}]"
         if not model.id:
             bad(f"{path}.id", "must not be empty")
         problems.extend(_id_problems(f"{path}.id", "model id", model.id))
-        if not model.providers:
+        if not model.providers and known(f"{path}.providers"):
             bad(f"{path}.providers", "a model needs at least one provider")
         for pid, served in model.providers.items():
             prov = providers.get(pid)
             if prov is None:
-                bad(f"{path}.providers.{pid}", f"no node defines provider {pid!r}")
-            elif served not in prov.models:
+                if all_providers_known:
+                    bad(f"{path}.providers.{pid}", f"no node defines provider {pid!r}")
+            elif served not in prov.models and known(f"{provider_paths[pid]}.models", *(
+                    f"{provider_paths[pid]}.models[{i}]" for i in range(len(prov.models)))):
                 bad(
                     f"{path}.providers.{pid}",
                     f"served name {served!r} is not in provider {pid!r} models {prov.models}",
                 )
+    if not config.models:
+        bad("$.models", NO_MODELS)
 
-    problems.extend(_fallback_problems(config))
+    all_models_known = known("$.models", *(
+        f"$.models[{mi}]{field}" for mi in range(len(config.models)) for field in ("", ".id")))
+    problems.extend(_fallback_problems(config, all_models_known))
 
     d = config.dispatch
     busy = d.busy_probe_interval_ms
-    if busy is not None and busy < max(d.probe_interval_ms, 1):
+    if (busy is not None and busy < max(d.probe_interval_ms, 1)
+            and known("$.dispatch.busy_probe_interval_ms", "$.dispatch.probe_interval_ms")):
         bad("$.dispatch.busy_probe_interval_ms",
             f"must not be shorter than probe_interval_ms ({d.probe_interval_ms}), got {busy}: a busy provider is "
             "probed less often than an idle one")
-    if d.heartbeat_interval_ms >= d.heartbeat_ttl_ms:
+    if (d.heartbeat_interval_ms >= d.heartbeat_ttl_ms
+            and known("$.dispatch.heartbeat_interval_ms", "$.dispatch.heartbeat_ttl_ms")):
         bad("$.dispatch.heartbeat_interval_ms",
             f"must be shorter than heartbeat_ttl_ms ({d.heartbeat_interval_ms} >= {d.heartbeat_ttl_ms})")
-    problems.extend(_tenant_problems(config))
+    problems.extend(_tenant_problems(config, known, all_models_known))
     if (d.reap_interval_ms is not None and min(d.lease_ms, d.replica_ttl_ms, d.reap_interval_ms) > 0
-            and 2 * d.reap_interval_ms >= d.observation_gap_ms):
+            and 2 * d.reap_interval_ms >= d.observation_gap_ms
+            and known("$.dispatch.reap_interval_ms", "$.dispatch.lease_ms", "$.dispatch.replica_ttl_ms")):
         bad("$.dispatch.reap_interval_ms",
             f"must be under half of min(lease_ms / 3, replica_ttl_ms / 2) = {d.observation_gap_ms}, "
             f"got {d.reap_interval_ms}: a longer pause between rounds is taken for a Redis outage")
@@ -129,15 +163,16 @@ _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
-def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
+def _tenant_problems(config: Config, known: Callable[..., bool], all_models_known: bool) -> Iterator[ConfigProblem]:
     api = config.api
+    bands_known = known("$.api.priorities", *(f"$.api.priorities[{i}]" for i in range(len(api.priorities))))
     for path, name in _duplicates((f"$.api.priorities[{i}]", b) for i, b in enumerate(api.priorities)):
         yield ConfigProblem(path, f"duplicate priority band {name!r}")
     for i, band in enumerate(api.priorities):
         yield from _id_problems(f"$.api.priorities[{i}]", "band name", band)
     if not api.priorities:
         yield from _id_problems("$.api.default_priority", "band name", api.default_priority)
-    if api.priorities and api.default_priority not in api.priorities:
+    if api.priorities and api.default_priority not in api.priorities and bands_known:
         yield ConfigProblem("$.api.default_priority",
                             f"{api.default_priority!r} is not one of api.priorities {api.priorities}")
     for path, name in _duplicates((f"$.api.keys[{i}].name", k.name) for i, k in enumerate(api.keys)):
@@ -148,16 +183,16 @@ def _tenant_problems(config: Config) -> Iterator[ConfigProblem]:
             why = next((f"{sep!r} is not allowed in a tenant name: {reason}; "
                         for sep, reason in _SEPARATORS["tenant name"].items() if sep in key.name), "")
             yield ConfigProblem(f"{path}.name", f"{key.name!r}: {why}use letters, digits, '.', '_' and '-'")
-        if (key.key_env is None) == (key.key_sha256 is None):
+        if (key.key_env is None) == (key.key_sha256 is None) and known(f"{path}.key_env", f"{path}.key_sha256"):
             yield ConfigProblem(path, "give exactly one of key_env (an env var holding the key) and key_sha256")
         if key.key_env is not None and not _ENV_NAME.fullmatch(key.key_env):
             yield ConfigProblem(f"{path}.key_env", "must name an environment variable, not hold the key")
         if key.key_sha256 is not None and not _SHA256.fullmatch(key.key_sha256):
             yield ConfigProblem(f"{path}.key_sha256", "must be 64 hex digits (sha256 of the key)")
-        if key.priority is not None and key.priority not in api.priorities:
+        if key.priority is not None and key.priority not in api.priorities and bands_known:
             yield ConfigProblem(f"{path}.priority", f"{key.priority!r} is not one of api.priorities {api.priorities}")
         for mi, pattern in enumerate(key.models or ()):
-            if not any(fnmatchcase(m.id, pattern) for m in config.models):
+            if not any(fnmatchcase(m.id, pattern) for m in config.models) and all_models_known:
                 yield ConfigProblem(f"{path}.models[{mi}]", f"{pattern!r} matches no model id")
 
 
@@ -284,9 +319,10 @@ def _duplicates(items: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
         seen.add(value)
 
 
-def _fallback_problems(config: Config) -> list[ConfigProblem]:
+def _fallback_problems(config: Config, all_models_known: bool) -> list[ConfigProblem]:
     """``models[].fallbacks``: known ids, not the model itself, none twice, and no chain that
-    comes back to where it started (a -> b -> a)."""
+    comes back to where it started (a -> b -> a); an unknown id only when every model id is
+    the file's own."""
     problems: list[ConfigProblem] = []
     ids = {m.id for m in config.models}
     edges = {m.id: [f for f in m.fallbacks if f in ids] for m in config.models}
@@ -295,7 +331,8 @@ def _fallback_problems(config: Config) -> list[ConfigProblem]:
         for fi, fb in enumerate(model.fallbacks):
             path = f"$.models[{mi}].fallbacks[{fi}]"
             if fb not in ids:
-                problems.append(ConfigProblem(path, f"unknown model {fb!r}"))
+                if all_models_known:
+                    problems.append(ConfigProblem(path, f"unknown model {fb!r}"))
             elif fb == model.id:
                 problems.append(ConfigProblem(path, "a model cannot be its own fallback"))
             elif fb in seen:

@@ -3,11 +3,11 @@ policy, auth, health. The app runs in-process against a private Redis."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from litestar.testing import AsyncTestClient
+from litestar.testing import AsyncTestClient, TestClient
 from redis.asyncio import Redis
 
 from api.app import create_app
@@ -88,11 +88,42 @@ async def test_unknown_model_is_404_and_never_queued(client: AsyncTestClient[Any
     assert await redis_client.hlen(keys.JOBS) == 0
 
 
-async def test_oversized_body_is_413(client: AsyncTestClient[Any], redis_client: Redis) -> None:
-    resp = await client.post(CHAT, json={"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
+async def test_oversized_body_is_413_naming_its_size_and_the_limit(client: AsyncTestClient[Any],
+                                                                   redis_client: Redis) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}'
+    resp = await client.post(CHAT, content=body, headers={"content-type": "application/json"})
     assert resp.status_code == 413
-    assert error_of(resp)["code"] == "request_too_large"
+    err = error_of(resp)
+    assert err["code"] == "request_too_large"
+    assert err["type"] == "invalid_request_error"
+    assert err["message"] == (f"The request body is {len(body)} bytes; this server takes at most 4096 bytes "
+                              "(api.max_body_bytes)")
     assert await redis_client.hlen(keys.JOBS) == 0
+
+
+def test_oversized_body_of_unknown_length_is_413_naming_the_limit(redis_server: RedisServer) -> None:
+    def chunks() -> Iterator[bytes]:  # no content-length: sent chunked
+        yield b'{"model": "m", "input": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    # (httpx's AsyncClient takes only an async iterator, which Litestar's test transport refuses)
+    with TestClient(create_app(make_config(redis_server.url))) as sync_client:
+        resp = sync_client.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+    assert resp.status_code == 413
+    assert error_of(resp)["message"] == ("The request body is over 4096 bytes; this server takes at most 4096 bytes "
+                                         "(api.max_body_bytes)")
+
+
+async def test_oversized_body_is_413_in_anthropics_shape_on_messages(client: AsyncTestClient[Any]) -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 5000}]}
+    resp = await client.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert resp.status_code == 413
+    doc = resp.json()
+    assert doc["type"] == "error"
+    assert doc["error"]["type"] == "request_too_large"
+    assert doc["error"]["message"].endswith("this server takes at most 4096 bytes (api.max_body_bytes)")
 
 
 async def test_no_provider_up_is_503_at_once_with_the_reason(redis_server: RedisServer, redis_client: Redis) -> None:

@@ -1,18 +1,26 @@
 """``api/intake.py`` on its own: what a request becomes before it is a job -- its model
 (or the fallback that serves its endpoint), its lane and band, its stream flag, its
-deadline, its affinity keys -- from a config's runtime, without Redis or a server."""
+deadline, its affinity keys -- from a config's runtime, without a server (and without
+Redis, but for the stored Responses a call on one looks up)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
-from api.intake import Intake, fallbacks, take
+from api.intake import Intake, fallbacks, take, take_stored
 from api.runtime import Runtime
 from dispatcher import config as cfg
-from dispatcher.exceptions import InvalidRequest, ModelNotAllowed, ModelNotFound, UnsupportedEndpoint
+from dispatcher.exceptions import (
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    ResponseProviderGone,
+    UnsupportedEndpoint,
+)
 from dispatcher.scripts import Scripts
 
 pytestmark = pytest.mark.anyio
@@ -112,3 +120,72 @@ async def test_a_request_may_ask_for_a_lower_band_and_a_deadline() -> None:
     for bad in ("0", "-5", "soon"):
         with pytest.raises(InvalidRequest):
             await intake_of(rt, b'{"model": "spare"}', x_iop_deadline_ms=bad)
+
+
+# --------------------------------------------------------------------------- stored Responses
+
+
+class StoredRequest(Request):
+    """A call on a stored Response (``GET /v1/responses/{id}``) as intake reads it."""
+
+    method = "GET"
+    url = SimpleNamespace(query="")
+
+
+async def stored_runtime(redis: Redis) -> Runtime:
+    """:func:`runtime` against a real Redis, which remembers four responses: one made by a
+    provider the config no longer has, one by ``s`` for ``chat`` (whose pool is ``c`` alone
+    now), one by ``s`` for ``spare``, one by ``c`` for ``chat``."""
+    config = runtime().config
+    rt = Runtime.build(config, Scripts(redis), redis, "rep")
+    for response_id, provider, model in (("resp_gone", "old", "chat"), ("resp_moved", "s", "chat"),
+                                         ("resp_spare", "s", "spare"), ("resp_ok", "c", "chat")):
+        await rt.calls.remember_response(response_id, provider, model)
+    return rt
+
+
+async def follow_up(rt: Runtime, model: str, previous: str) -> Intake:
+    body = f'{{"model": "{model}", "input": "next", "previous_response_id": "{previous}"}}'.encode()
+    return await take(Request(body), rt, "responses", rt.tenants.default)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("model", "previous", "message"), [
+    ("chat", "resp_gone", "Response 'resp_gone' lives on provider 'old', which is no longer in this gateway's "
+                          "config; start a new conversation"),
+    ("chat", "resp_moved", "Response 'resp_moved' lives on provider 's', which no longer serves 'chat' here; "
+                           "start a new conversation"),
+    # s made it for spare, and never served chat: not "no longer".
+    ("chat", "resp_spare", "Response 'resp_spare' lives on provider 's', which made it for model 'spare' and "
+                           "does not serve 'chat' here: continue it with model 'spare', or start a new conversation"),
+    ("embedder", "resp_moved", "Response 'resp_moved' lives on provider 's', which made it for model 'chat' and "
+                               "does not serve 'embedder' here: start a new conversation"),
+])
+async def test_a_follow_up_its_provider_cannot_take_says_why(redis: Redis, model: str, previous: str,
+                                                             message: str) -> None:
+    rt = await stored_runtime(redis)
+    with pytest.raises(ResponseProviderGone) as info:
+        await follow_up(rt, model, previous)
+    assert info.value.message == message
+
+
+async def test_a_follow_up_goes_to_the_provider_that_made_it(redis: Redis) -> None:
+    rt = await stored_runtime(redis)
+    intake = await follow_up(rt, "chat", "resp_ok")
+    assert intake.pinned
+    assert intake.lane == rt.plans.pinned_lane("chat", "c")
+    intake = await follow_up(rt, "spare", "resp_spare")
+    assert intake.lane == rt.plans.pinned_lane("spare", "s")
+
+
+@pytest.mark.parametrize(("response_id", "message"), [
+    ("resp_gone", "Response 'resp_gone' lives on provider 'old', which is no longer in this gateway's config; "
+                  "start a new conversation"),
+    ("resp_moved", "Response 'resp_moved' lives on provider 's', which no longer serves 'chat' here; "
+                   "start a new conversation"),
+])
+async def test_a_call_on_a_stored_response_its_provider_cannot_take_says_why(redis: Redis, response_id: str,
+                                                                             message: str) -> None:
+    rt = await stored_runtime(redis)
+    with pytest.raises(ResponseProviderGone) as info:
+        await take_stored(StoredRequest(b""), rt, response_id, "", rt.tenants.default)  # type: ignore[arg-type]
+    assert info.value.message == message

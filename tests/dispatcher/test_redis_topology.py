@@ -33,10 +33,13 @@ from dispatcher.redis_topology import (
     Probe,
     SentinelLocator,
     StaticLocator,
+    described,
     locator_for,
+    shown_url,
 )
 from iop.redis_server import RedisServer, free_port
 from tests.conftest import REDIS_BINARIES
+from tests.dispatcher.config.one_model import ONE_MODEL
 from tests.topologies import DOWN_AFTER_MS, MASTER_NAME, NODE_TIMEOUT_MS, RedisCluster, SentinelSet, redis_cli
 
 pytestmark = pytest.mark.anyio
@@ -471,3 +474,33 @@ async def test_sentinels_with_a_password_of_their_own(
     finally:
         async with Redis(host="127.0.0.1", port=port, password="sentinel-secret") as admin:
             await admin.execute_command("ACL", "SETUSER", "default", "nopass")
+
+
+# --- what a process says at start about the Redis it uses -------------------------------------
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("redis://:hunter2@10.0.0.9:6379/0", "redis://:***@10.0.0.9:6379/0"),
+    ("rediss://iop:p%40ss@r.internal:6380/2", "rediss://iop:***@r.internal:6380/2"),
+    ("redis://iop@r.internal", "redis://iop@r.internal"),
+    ("unix:///run/redis.sock?db=1&password=hunter2", "unix:///run/redis.sock?db=1&password=***"),
+])
+def test_a_shown_url_never_holds_the_password(url: str, shown: str) -> None:
+    assert shown_url(url) == shown
+
+
+def test_described_names_the_redis_and_where_its_url_comes_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("IOP_REDIS_URL", raising=False)
+    assert described(RedisConfig()) == ("redis://127.0.0.1:6379/0, the default: neither IOP_REDIS_URL nor "
+                                        "redis.url is set")
+    assert described(RedisConfig(url="redis://:pw@r:6379/3")) == "redis://:***@r:6379/3 (redis.url)"
+    assert described(RedisConfig(url="redis://node-1:7000", cluster=True)) == (
+        "the Redis Cluster of redis://node-1:7000 (redis.url, redis.cluster)")
+    sentinel = SentinelConfig(master="mymaster", nodes=["10.0.0.1:26379", "10.0.0.2:26379"])
+    assert described(RedisConfig(sentinel=sentinel)) == (
+        "the master 'mymaster' of the sentinels 10.0.0.1:26379, 10.0.0.2:26379 (redis.sentinel)")
+    monkeypatch.setenv("IOP_REDIS_URL", "rediss://u:pw@r/2")
+    assert described(cfg.parse({**ONE_MODEL, "redis": {"sentinel": {"master": "m", "nodes": ["s:26379"]}}})
+                     .config.redis) == ("the master 'm' of the sentinels s:26379 (redis.sentinel), with the db, "
+                                        "TLS and credentials of rediss://u:***@r/2 (IOP_REDIS_URL)")

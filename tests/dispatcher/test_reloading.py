@@ -51,6 +51,27 @@ def test_an_invalid_file_is_refused_with_every_problem(tmp_path: Path, caplog: p
     assert "$.nodes[0].providers[0].type" in text
 
 
+def test_a_file_with_problems_of_every_kind_is_refused_with_all_of_them_in_one_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    running = parse(doc()).config
+    bad = doc(queue={"max_queue": "many", "queue_timout_ms": 5}, models=("m", "m"))
+    bad["nodes"][0]["providers"][0]["capacity"] = -1
+    bad["models"][0]["providers"]["ghost"] = "x"
+    with caplog.at_level(logging.ERROR, "iop.config"):
+        assert reread(write(tmp_path, bad), running) is None
+    [record] = caplog.records
+    assert record.getMessage().splitlines() == [
+        f"reload: {tmp_path / 'iop.yaml'} has 5 problem(s); nothing changed",
+        # In the order of the file (yaml.safe_dump writes the keys sorted).
+        "reload:   $.models[0].providers.ghost: no node defines provider 'ghost'",
+        "reload:   $.models[1].id: duplicate model id 'm'",
+        "reload:   $.nodes[0].providers[0].capacity: must be >= 0, got -1 (0 keeps the provider out of rotation)",
+        "reload:   $.queue.max_queue: Expected `int`, got `str`",
+        "reload:   $.queue.queue_timout_ms: unknown field `queue_timout_ms`",
+    ]
+
+
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     assert reread(tmp_path / "nope.yaml", parse(doc()).config) is None
 

@@ -24,6 +24,7 @@ from dispatcher.config import Config, TracingConfig, parse
 from dispatcher.envelope import JSON, RequestEnvelope, unwrap, wrap
 from dispatcher.events import Assignment, Done, End, Meta, Usage
 from dispatcher.exceptions import ConfigError, ProviderUnreachable
+from tests.dispatcher.config.one_model import with_one_model
 from workers.job_run import provider_call
 from workers.sink import JobAborted
 
@@ -146,15 +147,16 @@ def test_configured_without_the_package_logs_one_error_and_runs_without(
 
 
 def test_the_tracing_section_is_checked() -> None:
-    loaded = parse({"tracing": {"endpoint": "http://c:4318", "service_name": "iop-eu", "sample_ratio": 0.25}})
+    loaded = parse(with_one_model({"tracing": {"endpoint": "http://c:4318", "service_name": "iop-eu",
+                                               "sample_ratio": 0.25}}))
     assert loaded.config.tracing == TracingConfig("http://c:4318", "iop-eu", 0.25)
     with pytest.raises(ConfigError) as info:
-        parse({"tracing": {"endpoint": "c:4317", "service_name": "", "sample_ratio": 2}})
+        parse(with_one_model({"tracing": {"endpoint": "c:4317", "service_name": "", "sample_ratio": 2}}))
     assert {p.path for p in info.value.problems} == {
         "$.tracing.endpoint", "$.tracing.service_name", "$.tracing.sample_ratio",
     }
     with pytest.raises(ConfigError):
-        parse({"tracing": {"exporter": "grpc"}})
+        parse(with_one_model({"tracing": {"exporter": "grpc"}}))
 
 
 # --- the API's spans ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from dispatcher.config import ProviderConfig
+from dispatcher.config.validation import NO_MODELS
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from iop.catalog_cli import SHORT_ENDPOINTS, WIDTH, render
 from iop.cli import DEMO_CONFIG, main
@@ -129,6 +130,35 @@ def test_config_check_lists_every_problem_with_its_path(tmp_path: Path, capsys: 
         assert any(words in line for line in matching), f"{where}: expected {words!r} in {matching}"
 
 
+def test_config_check_reports_type_errors_and_unknown_fields_with_everything_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before, the first of them was all it said: each fix showed the next problem.
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN.replace("max_queue: -5", "max_queue: -5\n  queue_timeout_ms: soon\n  max_qeue: 3")
+                    .replace("capacity: -1,", "capacity: -1, capcity: 3,"))
+    assert call_main("config", "check", str(path)) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"{path}: {len(BROKEN_PATHS) + 3} problem(s)"
+    assert [line.split(": ")[0].strip() for line in lines[1:]] == [  # in the order of the file
+        "$.models[0].providers.p1", "$.models[0].providers.ghost", "$.models[1].id",
+        "$.nodes[0].providers[0].capacity", "$.nodes[0].providers[0].capcity",
+        "$.nodes[0].providers[1].type", "$.nodes[0].providers[1].base_url",
+        "$.queue.max_queue", "$.queue.queue_timeout_ms", "$.queue.max_qeue",
+    ]
+    assert "  $.queue.queue_timeout_ms: Expected `int`, got `str`" in lines
+    assert "  $.queue.max_qeue: unknown field `max_qeue`" in lines
+
+
+def test_config_check_refuses_a_config_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    assert call_main("config", "check", str(path)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # not "OK - 0 model(s)"
+    assert err.splitlines() == [f"{path}: 1 problem(s)", f"  $.models: {NO_MODELS}"]
+
+
 def test_config_check_unknown_field_names_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "typo.yaml"
     path.write_text("queue:\n  max_qeue: 3\n")
@@ -221,11 +251,11 @@ def test_worker_unknown_node_subprocess() -> None:
     assert "no node 'unknown' (nodes: gpu-a, gpu-b)" in result.stderr
 
 
-def test_worker_unknown_node_in_a_config_without_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_worker_of_a_config_without_a_model_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("queue: {max_queue: 1}\n")
     assert call_main("worker", "--config", str(path), "--node", "n1") == 2
-    assert "no node 'n1' (nodes: none)" in capsys.readouterr().err
+    assert f"$.models: {NO_MODELS}" in capsys.readouterr().err
 
 
 def test_worker_with_broken_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dispatcher import config as cfg
+from dispatcher.config.validation import NO_MODELS
 from iop.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,6 +180,7 @@ INVALID = {
         "$.nodes[0].adapters.p1": "has the id of the provider at $.nodes[1].providers[0]",
     }),
     "unknown-field": ("openai:\n  model_routes:\n    - {model: m, adapter: a, target: t, weight: 3}\n", {
+        "$.openai.model_routes[0].adapter": "no node defines adapter 'a'",  # (reported with it: every problem)
         "$.openai.model_routes[0].weight": "unknown field `weight`",
     }),
 }
@@ -353,11 +355,13 @@ def test_new_shape_file_is_left_as_it_is(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_empty_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Only a config that loads is migrated, and one without a model does not.
     path = tmp_path / "empty.yaml"
     path.write_text("")
-    migrated = tmp_path / "migrated.yaml"
-    migrated.write_text(migrate(path, capsys))
-    assert cfg.load(migrated) == cfg.parse(None)
+    assert call_main("config", "migrate", str(path)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [f"{path}: 1 problem(s)", f"  $.models: {NO_MODELS}"]
 
 
 # --------------------------------------------------------------------------- invalid input

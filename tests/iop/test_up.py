@@ -261,6 +261,10 @@ def test_up_serves_the_demo_and_stops_everything_on_sigint(tmp_path: Path, start
     out = up.stdout
     assert f"  api      {up.url}/v1" in out
     assert "(embedded " in out  # no IOP_REDIS_URL, no redis.url: its own redis-server
+    said = re.fullmatch(r"redis: (redis://127\.0\.0\.1:[0-9]+/0) \(embedded .*\)", up.lines[0])
+    assert said is not None, up.report()  # the first thing it says
+    # Its workers and API say which Redis they were given.
+    assert f"Redis: {said[1]} (IOP_REDIS_URL)" in up.stderr, up.report()
     for fake in raw["demo"]["fake_providers"]:
         assert f"  fake     http://127.0.0.1:{fake['port']} serving " in out
     for node in raw["nodes"]:
@@ -391,7 +395,9 @@ def test_up_uses_a_configured_redis(tmp_path: Path, start_up: Any, where: str) -
         env = {"IOP_REDIS_URL": server.url} if where == "env" else {}
         up: Up = start_up(config, env=env)
         up.wait_up()
-        assert f"  redis    {server.url} (configured)" in up.lines, up.report()
+        source = "IOP_REDIS_URL" if where == "env" else "redis.url"
+        assert f"  redis    {server.url} ({source})" in up.lines, up.report()
+        assert up.lines[0] == f"redis: {server.url} ({source})", up.report()  # said before anything starts
         assert "(embedded " not in up.stdout
 
         everything = up.descendants()

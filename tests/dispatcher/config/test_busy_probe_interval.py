@@ -9,19 +9,20 @@ import pytest
 from dispatcher import config as cfg
 from dispatcher.config.schema import BUSY_PROBE_FACTOR
 from dispatcher.exceptions import ConfigError
+from tests.dispatcher.config.one_model import with_one_model
 
 
 def problems(dispatch: dict[str, Any]) -> list[tuple[str, str]]:
     try:
-        cfg.parse({"dispatch": dispatch})
+        cfg.parse(with_one_model({"dispatch": dispatch}))
     except ConfigError as exc:
         return [(p.path, p.message) for p in exc.problems]
     return []
 
 
 def test_unset_it_is_a_multiple_of_the_probe_interval() -> None:
-    assert cfg.parse({}).config.dispatch.busy_probe_period_ms == BUSY_PROBE_FACTOR * 5_000 == 60_000
-    dispatch = cfg.parse({"dispatch": {"probe_interval_ms": 700}}).config.dispatch
+    assert cfg.parse(with_one_model({})).config.dispatch.busy_probe_period_ms == BUSY_PROBE_FACTOR * 5_000 == 60_000
+    dispatch = cfg.parse(with_one_model({"dispatch": {"probe_interval_ms": 700}})).config.dispatch
     assert dispatch.busy_probe_interval_ms is None
     assert dispatch.busy_probe_period_ms == BUSY_PROBE_FACTOR * 700
     # A long probe interval stays valid without the setting.
@@ -29,7 +30,8 @@ def test_unset_it_is_a_multiple_of_the_probe_interval() -> None:
 
 
 def test_set_it_is_taken_as_it_is() -> None:
-    assert cfg.parse({"dispatch": {"busy_probe_interval_ms": 9_000}}).config.dispatch.busy_probe_period_ms == 9_000
+    dispatch = cfg.parse(with_one_model({"dispatch": {"busy_probe_interval_ms": 9_000}})).config.dispatch
+    assert dispatch.busy_probe_period_ms == 9_000
     assert problems({"probe_interval_ms": 300, "busy_probe_interval_ms": 300}) == []
 
 

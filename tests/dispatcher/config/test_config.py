@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from dispatcher import config as cfg
+from dispatcher.config.validation import NO_MODELS
 from dispatcher.exceptions import ConfigError, ConfigProblem
+from tests.dispatcher.config.one_model import ONE_MODEL_YAML
 from tests.dispatcher.config.yaml_text import load_text
 
 # --------------------------------------------------------------------------- helpers
@@ -598,6 +600,82 @@ def test_several_errors_are_all_reported_in_one_config_error() -> None:
         assert f"{problem.path}: {problem.message}" in lines
 
 
+EVERY_KIND = """
+models:
+  - id: m1
+    providers: {p1: served-m1, ghost: x}     # a provider no node defines (cross-field)
+    max_queue: "5"                            # the wrong type
+  - id: m1                                    # a duplicate model id
+    providers: {p1: served-m1}
+    fallbacks: [m1]                           # its own fallback (cross-field)
+  - providers: {p1: served-m1}                # no id
+nodes:
+  - id: n1
+    providers:
+      - {id: p1, type: vllm, base_url: "http://gpu1:8000", models: [served-m1], capcity: 2}   # unknown field
+      - {id: p1, type: sglang, base_url: "http://gpu2:30000"}                                 # duplicate id
+  - id: n1                                    # a duplicate node id
+    providers:
+      - {id: p3, type: ollama, capacity: -2, timeout_s: soon}   # no base_url; out of range; the wrong type
+queue:
+  queue_timeout_ms: 0                         # out of range
+dispatch:
+  heartbeat_interval_ms: 20000                # not shorter than heartbeat_ttl_ms (cross-field)
+api:
+  keys:
+    - {name: web, key_sha256: "0000", max_in_flight: 0}   # not a sha256; out of range
+    - {name: web, key_env: WEB_KEY}                        # a duplicate key name
+"""
+
+
+def test_every_kind_of_problem_is_reported_in_one_pass_in_the_order_of_the_file() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text(EVERY_KIND)
+    assert [(p.path, p.message) for p in info.value.problems] == [
+        ("$.models[0].providers.ghost", "no node defines provider 'ghost'"),
+        ("$.models[0].max_queue", "Expected `int | null`, got `str`"),
+        ("$.models[1].id", "duplicate model id 'm1'"),
+        ("$.models[1].fallbacks[0]", "a model cannot be its own fallback"),
+        ("$.models[2]", "Object missing required field `id`"),
+        ("$.nodes[0].providers[0].capcity", "unknown field `capcity`"),
+        ("$.nodes[0].providers[1].id", "duplicate provider id 'p1'"),
+        ("$.nodes[1].id", "duplicate node id 'n1'"),
+        ("$.nodes[1].providers[0].capacity", "must be >= 0, got -2 (0 keeps the provider out of rotation)"),
+        ("$.nodes[1].providers[0].timeout_s", "Expected `float`, got `str`"),
+        ("$.nodes[1].providers[0].base_url", "required for type 'ollama'"),  # (a field not written: after its provider)
+        ("$.queue.queue_timeout_ms", "must be > 0, got 0"),
+        ("$.dispatch.heartbeat_interval_ms", "must be shorter than heartbeat_ttl_ms (20000 >= 10000)"),
+        ("$.api.keys[0].key_sha256", "must be 64 hex digits (sha256 of the key)"),
+        ("$.api.keys[0].max_in_flight", "must be >= 1, got 0"),
+        ("$.api.keys[1].name", "duplicate key name 'web'"),
+    ]
+
+
+def test_a_check_is_not_held_against_the_file_for_a_value_it_got_wrong() -> None:
+    # Each time the value a rule would read is the one reported: nothing more is said.
+    raw = base()
+    provider(raw)["id"] = ["p1"]  # the providers' ids are not all known: no "no node defines provider 'p1'"
+    assert [p.path for p in problems_of(raw)] == ["$.nodes[0].providers[0].id"]
+    raw = base()
+    provider(raw)["models"] = [7]  # nor "served name 'served-m1' is not in provider 'p1' models"
+    assert [p.path for p in problems_of(raw)] == ["$.nodes[0].providers[0].models[0]"]
+    raw = base()
+    raw["dispatch"] = {"heartbeat_ttl_ms": "10s", "heartbeat_interval_ms": 20_000}  # nor against the default ttl
+    assert [p.path for p in problems_of(raw)] == ["$.dispatch.heartbeat_ttl_ms"]
+    raw = base()
+    raw["models"].append({"id": "m2", "providers": {"p1": "served-m1"}, "fallbacks": ["m3"]})
+    raw["models"].append({"id": {"name": "m3"}, "providers": {"p1": "served-m1"}})  # nor "unknown model 'm3'"
+    assert [p.path for p in problems_of(raw)] == ["$.models[2].id"]
+    raw = base()
+    raw["api"]["keys"] = [{"name": "web", "key_env": 5}]  # nor "give exactly one of key_env and key_sha256"
+    assert [p.path for p in problems_of(raw)] == ["$.api.keys[0].key_env"]
+    # A rule that reads only values the file got right still applies.
+    raw = base()
+    raw["models"][0]["providers"]["ghost"] = "x"
+    raw["queue"]["max_queue"] = "ten"
+    assert [p.path for p in problems_of(raw)] == ["$.queue.max_queue", "$.models[0].providers.ghost"]
+
+
 def test_validate_returns_problems_without_raising() -> None:
     raw = base()
     raw["models"][0]["providers"] = {"p9": "x"}
@@ -611,7 +689,7 @@ def test_validate_returns_problems_without_raising() -> None:
 
 
 def test_unknown_top_level_field() -> None:
-    problem = decode_problem("models: []\nmodles: []\n")
+    problem = decode_problem(ONE_MODEL_YAML + "modles: []\n")
     assert problem.path == "$.modles"
     assert "`modles`" in problem.message
     assert "unknown field" in problem.message
@@ -645,16 +723,22 @@ def test_unknown_nested_field_reports_its_path() -> None:
         (lambda r: provider(r).update(capacity=True), "$.nodes[0].providers[0].capacity", "`bool`"),
         (lambda r: provider(r).update(command="echo hi"), "$.nodes[0].providers[0].command", "`str`"),
         (lambda r: provider(r).update(models="served-m1"), "$.nodes[0].providers[0].models", "`str`"),
+        (lambda r: provider(r).update(models=["served-m1", 7]), "$.nodes[0].providers[0].models[1]", "`int`"),
+        (lambda r: provider(r).update(type=["vllm"]), "$.nodes[0].providers[0].type", "`array`"),
         (lambda r: r["models"][0].update(providers=["p1"]), "$.models[0].providers", "`object`"),
-        # msgspec does not name the key of a bad dict value: "[...]" stands for it.
-        (lambda r: r["models"][0]["providers"].update(p1=3), "$.models[0].providers[...]", "`int`"),
+        (lambda r: r["models"][0]["providers"].update(p1=3), "$.models[0].providers.p1", "`int`"),
         (lambda r: r.update(models={"id": "m1"}), "$.models", "`array`"),
+        (lambda r: r.update(models=["m1"]), "$.models[0]", "`str`"),
         (lambda r: r.update(nodes=None), "$.nodes", "`null`"),
+        (lambda r: r.update(nodes=[None]), "$.nodes[0]", "`null`"),
         (lambda r: r["queue"].update(max_queue=1.5), "$.queue.max_queue", "`float`"),
         (lambda r: r.update(redis="redis://x"), "$.redis", "`str`"),
     ],
 )
 def test_wrong_type_reports_its_path(mutate: Any, path: str, expected: str) -> None:
+    # Alone: what the rest of the file is checked against stands in for the bad value, and
+    # no check is held against the file for what only follows from it (a model's provider
+    # no node defines, when the nodes are not a list; no model, when models[] is not one).
     raw = base()
     mutate(raw)
     problem = only_problem(raw)
@@ -663,8 +747,8 @@ def test_wrong_type_reports_its_path(mutate: Any, path: str, expected: str) -> N
 
 
 def test_wrong_type_from_yaml_reports_its_path() -> None:
-    problem = decode_problem("nodes:\n  - id: n1\n    providers:\n      - id: p1\n        type: [vllm]\n")
-    assert problem.path == "$.nodes[0].providers[0].type"
+    problem = decode_problem(ONE_MODEL_YAML + "  - id: n1\n    providers:\n      - id: p1\n        type: [vllm]\n")
+    assert problem.path == "$.nodes[1].providers[0].type"
     assert "Expected `str`" in problem.message
 
 
@@ -700,11 +784,24 @@ def test_parse_non_mapping(raw: Any) -> None:
     assert only_problem(raw) == ConfigProblem("$", "the config must be a mapping")
 
 
-@pytest.mark.parametrize("text", ["", "\n\n", "# nothing configured yet\n", "---\n"])
-def test_empty_document_gives_empty_valid_config(text: str) -> None:
-    config = load_text(text).config
-    assert config.models == []
-    assert config.nodes == []
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing configured yet\n", "---\n", "models: []\n",
+                                  "queue: {max_queue: 7}\n", "nodes: [{id: n1}]\n"])
+def test_a_config_without_a_model_is_refused(text: str) -> None:
+    # It would start, and answer every request 404: say what is missing instead.
+    assert decode_problem(text) == ConfigProblem("$.models", NO_MODELS)
+
+
+def test_an_empty_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_bytes(b"")
+    with pytest.raises(ConfigError) as info:
+        cfg.load(path)
+    assert info.value.problems == [ConfigProblem("$.models", NO_MODELS)]
+
+
+def test_one_model_on_one_provider_is_enough() -> None:
+    config = load_text(ONE_MODEL_YAML).config
+    assert [m.id for m in config.models] == ["m"]
     assert config.redis.url is None
     assert config.api == cfg.ApiConfig()
     assert config.queue == cfg.QueueConfig(max_queue=100, queue_timeout_ms=30_000)
@@ -712,16 +809,8 @@ def test_empty_document_gives_empty_valid_config(text: str) -> None:
     assert cfg.validate(config) == []
 
 
-def test_empty_file_loads(tmp_path: Path) -> None:
-    path = tmp_path / "empty.yaml"
-    path.write_bytes(b"")
-    config = cfg.load(path).config
-    assert config.models == []
-    assert config.nodes == []
-
-
 def test_unset_fields_of_a_section_keep_their_defaults() -> None:
-    config = load_text(b"queue:\n  max_queue: 7\n").config
+    config = load_text("queue:\n  max_queue: 7\n" + ONE_MODEL_YAML).config
     assert config.queue.max_queue == 7
     assert config.queue.queue_timeout_ms == 30_000
 
@@ -766,7 +855,7 @@ def test_redis_url_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_redis_url_env_applies_without_redis_section(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IOP_REDIS_URL", "redis://override:6380/3")
-    assert load_text("").config.redis.url == "redis://override:6380/3"
+    assert load_text(ONE_MODEL_YAML).config.redis.url == "redis://override:6380/3"
 
 
 def test_redis_url_from_file_when_env_unset() -> None:

@@ -16,7 +16,8 @@ import pytest
 
 from dispatcher import config as cfg
 from dispatcher.config import field_rules
-from dispatcher.config.field_rules import POSITIVE, RESTART, declared_ranges, out_of_range, restart_paths
+from dispatcher.config.field_rules import POSITIVE, RESTART, Findings, declared_ranges, restart_paths
+from dispatcher.config.validation import NO_MODELS
 from dispatcher.exceptions import ConfigError, ConfigProblem
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -45,8 +46,8 @@ def _no_redis_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- defaults
 
 
-def test_the_default_config_validates() -> None:
-    assert cfg.validate(cfg.Config()) == []
+def test_the_default_config_lacks_only_a_model() -> None:
+    assert cfg.validate(cfg.Config()) == [ConfigProblem("$.models", NO_MODELS)]
 
 
 @pytest.mark.parametrize("path", ["iop/demo.yaml", "deploy/iop.yaml"])
@@ -165,7 +166,8 @@ def test_out_of_range_drops_only_the_offending_values_and_copies() -> None:
     raw["queue"] = {"max_queue": -1, "queue_timeout_ms": 5}
     raw["nodes"][0]["providers"][0]["capacity"] = -1
     before = copy.deepcopy(raw)
-    cleaned, problems = out_of_range(raw, cfg.Config)
+    findings = Findings()
+    cleaned, problems = findings.check(raw, cfg.Config), findings.problems
     assert raw == before  # not modified
     assert cleaned["queue"] == {"queue_timeout_ms": 5}
     assert "capacity" not in cleaned["nodes"][0]["providers"][0]
@@ -177,9 +179,9 @@ def test_out_of_range_drops_only_the_offending_values_and_copies() -> None:
 
 
 def test_validate_checks_ranges_of_a_config_built_in_code() -> None:
-    config = cfg.Config(queue=cfg.QueueConfig(max_queue=-1),
-                        dispatch=cfg.DispatchConfig(drain_grace_s=-1.0),
-                        tracing=cfg.TracingConfig(sample_ratio=1.5))
+    config = msgspec.structs.replace(cfg.parse(base()).config, queue=cfg.QueueConfig(max_queue=-1),
+                                     dispatch=cfg.DispatchConfig(drain_grace_s=-1.0),
+                                     tracing=cfg.TracingConfig(sample_ratio=1.5))
     assert cfg.validate(config) == [
         ConfigProblem("$.queue.max_queue", "must be >= 0, got -1"),
         ConfigProblem("$.dispatch.drain_grace_s", "must be >= 0, got -1.0"),
@@ -209,7 +211,7 @@ def test_a_range_on_a_required_field_is_refused() -> None:
         port: Annotated[int, POSITIVE]
 
     with pytest.raises(TypeError, match="needs a default"):
-        out_of_range({"port": 0}, Bad)
+        Findings().check({"port": 0}, Bad)
 
 
 def test_the_restart_only_settings() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from dispatcher import config as cfg
 from dispatcher.config import legacy
+from dispatcher.config.validation import NO_MODELS
 from dispatcher.exceptions import ConfigError, ConfigProblem
 
 # --------------------------------------------------------------------------- helpers
@@ -217,11 +218,15 @@ def test_route_to_a_pool_provider_needs_the_target_listed() -> None:
 
 
 def test_empty_legacy_sections_are_accepted() -> None:
-    config, warnings = cfg.parse({"openai": {}, "nodes": [{"id": "n1", "adapters": {}}]})
-    assert config.models == []
-    assert config.nodes[0].providers == []
+    config, warnings = cfg.parse({**pool_shape(), "openai": {}, "nodes": [*pool_shape()["nodes"],
+                                                                       {"id": "n2", "adapters": {}}]})
+    assert config.models == cfg.parse(pool_shape()).config.models
+    assert config.nodes[1].providers == []
     assert warnings == []
-    assert cfg.parse({"openai": {"model_routes": []}}).config.models == []
+
+
+def test_no_route_and_no_model_is_no_model() -> None:
+    assert only_problem({"openai": {"model_routes": []}}) == ConfigProblem("$.models", NO_MODELS)
 
 
 def test_input_is_not_modified() -> None:
@@ -481,11 +486,15 @@ def test_structural_problems_of_several_sections_come_together() -> None:
     raw["nodes"][1]["adapters"]["hosted"]["key"] = "sk-..."
     raw["nodes"][1]["providers"] = [{"id": "p", "type": "vllm", "bogus": 1}]
     raw["queue"] = {"max_qeue": 1}
-    paths = [p.path for p in problems_of(raw)]
-    # The pool-shape part stops at its first decode error, as it always did.
-    assert len([p for p in paths if ".adapters" not in p and "openai" not in p]) == 1
-    assert {"$.openai.model_routes[2].adaptor", "$.nodes[0].adapters.gpu1-ollama.capacity",
-            "$.nodes[1].adapters.hosted.key"} <= set(paths)
+    # Every one of them, legacy and pool shape alike, in the order of the file.
+    assert [(p.path, p.message) for p in problems_of(raw)] == [
+        ("$.openai.model_routes[2].adaptor", "unknown field `adaptor`"),
+        ("$.nodes[0].adapters.gpu1-ollama.capacity", "Expected `int`, got `str`"),
+        ("$.nodes[1].adapters.hosted.key", "unknown field `key`"),
+        ("$.nodes[1].providers[0].bogus", "unknown field `bogus`"),  # (written after the adapters)
+        ("$.nodes[1].providers[0].base_url", "required for type 'vllm'"),
+        ("$.queue.max_qeue", "unknown field `max_qeue`"),
+    ]
 
 
 def test_unknown_top_level_field_is_still_rejected() -> None:
@@ -498,8 +507,8 @@ def test_unknown_top_level_field_is_still_rejected() -> None:
 
 def test_conversion_lists_its_changes() -> None:
     raw = several_routes_one_instance()
-    core, parts, problems = legacy.split(raw)
-    assert problems == []
+    core, parts, findings = legacy.split(raw)
+    assert findings.problems == []
     assert "openai" not in core
     assert "adapters" not in core["nodes"][0]
     conversion = legacy.convert(msgspec.convert(core, type=cfg.Config), parts)
@@ -519,8 +528,8 @@ def test_conversion_lists_its_changes() -> None:
 
 def test_pool_shape_converts_to_itself() -> None:
     raw = pool_shape()
-    core, parts, problems = legacy.split(raw)
-    assert (core, problems, parts.empty) == (raw, [], True)
+    core, parts, findings = legacy.split(raw)
+    assert (core, findings.problems, parts.empty) == (raw, [], True)
     config = msgspec.convert(core, type=cfg.Config)
     conversion = legacy.convert(config, parts)
     assert conversion.config == config

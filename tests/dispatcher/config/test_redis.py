@@ -14,6 +14,7 @@ from dispatcher.exceptions import ConfigError, ConfigProblem
 from dispatcher.fastredis import FastRedis
 from dispatcher.redis_conn import LocatedConnection, LocatedSSLConnection, connect, connect_fast
 from dispatcher.redis_topology import ClusterLocator, SentinelLocator, StaticLocator, data_url, locator_for
+from tests.dispatcher.config.one_model import ONE_MODEL_YAML
 from tests.dispatcher.config.yaml_text import load_text
 
 
@@ -45,7 +46,7 @@ def test_cluster_and_sentinel_from_yaml() -> None:
         redis:
           url: rediss://any-cluster-node:6379/0
           cluster: true
-    """)).config
+    """) + ONE_MODEL_YAML).config
     assert config.redis.cluster
     assert config.redis.sentinel is None
     config = load_text(textwrap.dedent("""
@@ -55,7 +56,7 @@ def test_cluster_and_sentinel_from_yaml() -> None:
             nodes: ["10.0.0.1:26379", "[fd00::3]:26379"]
             password_env: IOP_REDIS_PASSWORD
             sentinel_password_env: IOP_SENTINEL_PASSWORD
-    """)).config
+    """) + ONE_MODEL_YAML).config
     sentinel = config.redis.sentinel
     assert sentinel is not None
     assert (sentinel.master, sentinel.nodes) == ("mymaster", ["10.0.0.1:26379", "[fd00::3]:26379"])
