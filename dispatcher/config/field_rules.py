@@ -414,8 +414,16 @@ def _type_problem(value: Any, info: mi.Type) -> str | None:
         if inner != "$":  # (only where the walk does not go: a union of several container types)
             message += f" (at {inner})"
         choices = _strip(info)
-        if isinstance(choices, mi.LiteralType) and message.startswith("Invalid enum value"):
-            message += " (expected one of: " + ", ".join(str(v) for v in choices.values) + ")"
+        if message.startswith("Invalid enum value"):
+            if isinstance(choices, mi.LiteralType):
+                message += " (expected one of: " + ", ".join(str(v) for v in choices.values) + ")"
+            elif isinstance(choices, mi.UnionType):
+                # A number or a word (``capacity: 4 | auto``).
+                members = [_strip(t) for t in choices.types]
+                words = [str(v) for t in members if isinstance(t, mi.LiteralType) for v in t.values]
+                number = "an integer or " if any(isinstance(t, mi.IntType) for t in members) else ""
+                if words:
+                    message += f" (expected {number}one of: " + ", ".join(words) + ")"
         return message
     return None
 
