@@ -619,6 +619,8 @@ async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: floa
                     usage = chunk["usage"]
     except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, ValueError):
         return result(sent, ttft, time.perf_counter() - t0, 0, queue_ms=queue_ms)
+    except asyncio.CancelledError:  # run_trace's drain ran out: what came of it so far, its first token
+        return result(sent, ttft, math.inf, UNANSWERED, queue_ms=queue_ms)
     done = time.perf_counter() - t0
     if usage is None:  # the stream ended without its usage chunk
         return result(sent, ttft, done, 0, queue_ms=queue_ms)
@@ -631,7 +633,8 @@ async def run_trace(target: Target, trace: Sequence[Arrival], headers: dict[str,
                     result: type[R] = Result, drain: float | None = None) -> list[R]:  # type: ignore[assignment]
     """Open loop: each request leaves at its time, whether or not earlier ones were answered.
     ``drain``: once the last has left, how long the others have to finish; those still
-    running then are cancelled (the client hangs up) and come back with status UNANSWERED."""
+    running then are cancelled (the client hangs up) and come back with status UNANSWERED
+    (with their time to first token if one came)."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:

@@ -66,11 +66,12 @@ def test_goodput_counts_answers_within_the_slo_of_the_window() -> None:
         Result(5.0, math.inf, math.inf, UNANSWERED),
         Result(6.0, math.inf, 6.1, 503),
         Result(7.0, 0.9, 8.0, 200),  # good
+        Result(8.0, 0.2, math.inf, UNANSWERED),  # its first token came, its end did not: not good
     ])
     assert run.goodput(1.0) == pytest.approx(2 / 10)
-    assert cf.unanswered(run) == 1
+    assert cf.unanswered(run) == 2
     assert cf.errors(run) == 1
-    assert cf.ttfts_ms(run) == [500.0, 1500.0, math.inf, math.inf, 900.0]
+    assert cf.ttfts_ms(run) == [500.0, 1500.0, math.inf, math.inf, 900.0, 200.0]
 
 
 def test_the_best_fixed_setting_and_the_hetero_verdicts() -> None:

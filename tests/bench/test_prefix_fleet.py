@@ -55,8 +55,9 @@ async def test_what_the_drain_leaves_unanswered_is_cancelled_and_reported(serve:
     assert answered.status == 200
     assert answered.completion_tokens == 2
     assert hung.status == UNANSWERED
-    assert hung.sent == 0.01  # its planned time: it never came back to say when it left
-    assert hung.ttft == hung.done == float("inf")
+    assert hung.sent >= 0.01
+    assert hung.ttft < float("inf")  # its first token came before the drain ran out; its end never did
+    assert hung.done == float("inf")
     # The cancelled request left the server (its client went away).
     async with aiohttp.ClientSession() as http:
         for _ in range(200):
