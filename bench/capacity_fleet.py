@@ -583,6 +583,7 @@ class Outcome:
 
     text: str
     seconds: float = 0.0
+    load: str = ""  # the machine's load average before and after: other work on it slows the gateways
 
 
 class Runner:
@@ -1061,7 +1062,7 @@ def command(args: argparse.Namespace, scenario: str) -> str:
 def write(args: argparse.Namespace, scenario: str, outcome: Outcome, setting: str) -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
     heading = "" if HEADING.splitlines()[0] in doc.read_text() else HEADING + "\n"
-    notes = f"\n{setting} The scenario took {outcome.seconds / 60:.1f} min.\n"
+    notes = f"\n{setting} The scenario took {outcome.seconds / 60:.1f} min; {outcome.load}.\n"
     write_section(f"capacity-{scenario}", command(args, scenario), outcome.text, notes,
                   heading=heading + SECTIONS[scenario])
 
@@ -1071,9 +1072,10 @@ async def main(args: argparse.Namespace) -> dict[str, Outcome]:
     runner = Runner(args, directory)
     outcomes: dict[str, Outcome] = {}
     for scenario in [s for s in SCENARIOS if s in args.scenarios]:
-        began = time.monotonic()
+        began, before = time.monotonic(), load_average()
         outcome: Outcome = await getattr(runner, scenario)()
         outcome.seconds = time.monotonic() - began
+        outcome.load = f"load average before it {before}, after it {load_average()}"
         if runner.failed:
             outcome.text += "\nFailed to run: " + "; ".join(runner.failed) + ".\n"
             runner.failed = []
@@ -1126,9 +1128,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     uvloop.install()
-    before = load_average()
     results = asyncio.run(main(arguments))
     if not arguments.no_write:
-        setting = f"Machine: {machine()}; load average before the benchmark {before}."
+        setting = f"Machine: {machine()}."
         for name, result in results.items():
             write(arguments, name, result, setting)
