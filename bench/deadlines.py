@@ -363,7 +363,8 @@ async def main(args: argparse.Namespace) -> str:
     pf = prefix_fleet.parse_args([])
     w = Workload(tenants=pf.tenants)
     working_set = prefix_working_set(w, pf.seed, SimConfig().block_tokens)
-    sim = SimConfig(kv_blocks=math.ceil(working_set / pf.kv_fill / args.servers), max_tokens=w.output_tokens)
+    sim = SimConfig(kv_blocks=math.ceil(working_set / pf.kv_fill / args.servers), max_tokens=w.output_tokens,
+                    metrics="sglang")  # as iop's providers' type
     cap = nominal_capacity(sim, args.servers, w, VARIANT, args.seed)
     capacity = args.iop_capacity or cap.batch
     print(f"nominal capacity {cap.per_server * args.servers:.2f} req/s ({cap.batch} running per server, "
@@ -372,7 +373,7 @@ async def main(args: argparse.Namespace) -> str:
     out = [notes(args, sim, w, cap, capacity)]
     all_figures: list[Figures] = []
     started_at = time.monotonic()
-    with Fleet(sim, args.servers, directory) as fleet:
+    with Fleet([sim] * args.servers, directory) as fleet:
         for load in args.loads:
             rate = load * cap.per_server * args.servers
             trace = make_trace(w, VARIANT, rate, args.seconds, args.seed, sim.block_tokens)

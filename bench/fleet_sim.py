@@ -1,5 +1,6 @@
 """A simulated LLM inference server with a prefix cache and continuous batching, for
-benchmarks of cache-aware dispatch (bench/prefix_fleet.py); one process per server:
+benchmarks of cache-aware dispatch (bench/prefix_fleet.py) and of learned capacity
+(bench/capacity_fleet.py); one process per server:
 
     python -m bench.fleet_sim --port P --kv-blocks N [--max-batch 8] [--step-ms 20] ...
 
@@ -10,9 +11,14 @@ true`` ending in ``data: [DONE]``, the usage chunk when ``stream_options.include
 ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``GET /health``, and what
 sglang-router reads from an SGLang server: ``GET /get_server_info`` (alias
 ``/server_info``), ``/get_model_info`` (alias ``/model_info``), ``/health_generate``,
-``/get_load``. ``GET /sim/stats`` reports the server's counters (and every path it was
-asked, to see what a router probes); ``POST /sim/reset`` empties the cache and zeroes the
-counters between benchmark runs (409 while requests run).
+``/get_load``. ``GET /metrics`` serves the engine's gauges in Prometheus text format, as
+vLLM or as SGLang names them (``--metrics vllm|sglang|none``; none: 404, a server without
+metrics). ``GET /sim/stats`` reports the server's counters and its current settings (and
+every path it was asked, to see what a router probes); ``POST /sim/control`` changes the
+step costs, the batch, a ``slowdown`` factor or the metrics while it runs (a JSON object of
+the settings to change; what runs from the next step on uses them); ``POST /sim/reset``
+empties the cache, zeroes the counters and restores the start-up settings between benchmark
+runs (409 while requests run).
 
 What is modelled
 ================
@@ -41,6 +47,28 @@ What is modelled
   step, given to the running requests in admission order; the step that ends a request's
   prefill gives it its first output token (its time to first token), and each later step
   gives it one more until ``max_tokens``. Requests whose client goes away leave at once.
+* **Engine metrics** (``GET /metrics``), with the names, types, help texts and labels of
+  the engines' own Prometheus collectors. ``vllm`` (vllm/v1/metrics/loggers.py; labels
+  ``engine="0"``, ``model_name``): ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0-1), set after every step as
+  vLLM sets them from each step's scheduler stats, and the counters
+  ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+  ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (of finished
+  requests). ``sglang`` (sglang/srt/metrics/collector.py; labels ``engine_type="unified"``,
+  ``model_name``, ``pp_rank="0"``, ``tp_rank="0"``): ``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs``, ``sglang:token_usage`` (0-1), ``sglang:num_used_tokens``,
+  ``sglang:max_total_num_tokens``, refreshed only when SGLang logs its stats: when a prefill
+  batch forms (running: the requests already running before it; waiting: what is left
+  queued), every 40th decoding step (its ``--decode-log-interval`` default), and, idle, 30 s
+  after the last refresh -- so they can be up to 40 steps old while busy, and keep their
+  last busy values for 30 s once idle, as SGLang's do. KV use is the blocks held by running
+  requests (their pinned prefix and their reservations) over the KV size: evictable cached
+  blocks count as free, as both engines count them.
+* **Run-time control** (``POST /sim/control``): ``step_ms``, ``decode_ms_per_seq``,
+  ``prefill_ms_per_token``, ``max_batch``, ``slowdown`` (multiplies the whole cost of every
+  step) and ``metrics``. A step already under way keeps the duration it was planned with; a
+  smaller ``max_batch`` lets the requests running beyond it finish and admits none until
+  the batch is under it.
 * **Time** is real: the loop sleeps for each step's simulated duration, so the gateway or
   router in front is measured for real. A step that ends late (the machine was busy) is
   made up by starting the next one at the planned time, unless the loop fell more than
@@ -64,7 +92,9 @@ with the context length); a maximum context length other than the KV size (a req
 could never fit is answered 400); sampling, stop sequences and EOS (every answer is
 ``max_tokens`` long); priorities and scheduling policies other than FIFO (SGLang's
 longest-prefix-first ordering of its waiting queue, for instance); data parallelism
-inside one server (``dp_size`` is 1); tokenization and detokenization cost; network time.
+inside one server (``dp_size`` is 1); tokenization and detokenization cost; network time;
+the engines' other metrics (histograms, Python process metrics, counters' ``_created``
+series) and their multi-engine labels; changing the KV size while running.
 """
 
 from __future__ import annotations
@@ -79,7 +109,7 @@ import signal
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 import msgspec
@@ -101,6 +131,46 @@ class SimConfig:
     max_tokens: int = 64  # the answer's length when the body names none
     model: str = "sim"
     catch_up_ms: float = 50.0
+    slowdown: float = 1.0  # multiplies every step's cost: a server slowed down (another model, a shared GPU)
+    metrics: str = "vllm"  # the engine whose /metrics it serves (METRICS), or none
+
+
+METRICS: Final = ("vllm", "sglang", "none")
+SGLANG_DECODE_LOG_INTERVAL: Final = 40  # sglang's --decode-log-interval default: decode steps between refreshes
+SGLANG_IDLE_LOG_S: Final = 30.0  # an idle SGLang scheduler refreshes its gauges this long after the last time
+
+
+def _number(minimum: float, strict: bool = False) -> tuple[Callable[[Any], bool], str]:
+    def ok(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and (v > minimum if strict else v >= minimum)
+    return ok, f"a number {'>' if strict else '≥'} {minimum:g}"
+
+
+# What /sim/control may change while the server runs: a check and what it says it wants.
+CONTROLS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "step_ms": _number(0),
+    "decode_ms_per_seq": _number(0),
+    "prefill_ms_per_token": _number(0),
+    "max_batch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number ≥ 1"),
+    "slowdown": _number(0, strict=True),
+    "metrics": (lambda v: v in METRICS, "one of " + ", ".join(METRICS)),
+}
+
+
+def controlled(config: SimConfig, changes: Any) -> SimConfig:
+    """``config`` with the run-time ``changes`` of ``POST /sim/control``; ValueError saying
+    what is wrong, and nothing changed, when one of them is not a setting or not valid."""
+    if not isinstance(changes, dict):
+        raise ValueError("the body must be a JSON object of settings to change")
+    unknown = sorted(set(changes) - set(CONTROLS))
+    if unknown:
+        raise ValueError(f"not a run-time setting: {', '.join(unknown)} (settings: {', '.join(CONTROLS)})")
+    for name, value in changes.items():
+        ok, wanted = CONTROLS[name]
+        if not ok(value):
+            raise ValueError(f"'{name}' must be {wanted}, not {value!r}")
+    floats = {k: float(v) for k, v in changes.items() if isinstance(getattr(config, k), float)}
+    return replace(config, **{**changes, **floats})
 
 
 # --------------------------------------------------------------------------- tokens
@@ -261,14 +331,47 @@ class Stats:
     late_steps: int = 0  # steps that ended more than catch_up_ms late (the machine was busy)
 
 
+@dataclass(frozen=True)
+class Gauges:
+    """What the engine's metrics say, as of ``at`` (monotonic seconds)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0  # blocks held by running requests: pinned prefix blocks and reservations
+    at: float = 0.0
+
+
 class Scheduler:
     def __init__(self, config: SimConfig) -> None:
+        self.initial = config
         self.config = config
         self.kv = KVCache(config.kv_blocks)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = Stats()
+        self.gauges = Gauges(at=time.monotonic())
+        self._decode_steps = 0
         self._wake = asyncio.Event()
+
+    def configure(self, changes: Any) -> SimConfig:
+        """Apply ``POST /sim/control``'s ``changes`` (see ``controlled``) from the next step on."""
+        self.config = controlled(self.config, changes)
+        self._wake.set()  # a larger batch may admit what waits
+        return self.config
+
+    def measure(self, running: int | None = None) -> None:
+        """Refresh the gauges from the scheduler's state now (``running``: the count to report)."""
+        held = self.kv.used - len(self.kv.lru)  # evictable cached blocks are free to both engines
+        self.gauges = Gauges(len(self.running) if running is None else running, len(self.waiting), held,
+                             time.monotonic())
+
+    def current_gauges(self) -> Gauges:
+        """The gauges a scrape sees now: SGLang's idle scheduler refreshes them only once
+        ``SGLANG_IDLE_LOG_S`` have passed since the last refresh."""
+        if (self.config.metrics == "sglang" and not self.running
+                and time.monotonic() - self.gauges.at > SGLANG_IDLE_LOG_S):
+            self.measure()
+        return self.gauges
 
     def submit(self, tokens: Sequence[str], max_tokens: int) -> SimRequest:
         bt = self.config.block_tokens
@@ -295,6 +398,13 @@ class Scheduler:
         self.stats.cancelled += 1
 
     def admit(self) -> None:
+        before = len(self.running)
+        self._admit()
+        if self.config.metrics == "sglang" and len(self.running) > before:
+            # SGLang logs its stats when a prefill batch forms: the running batch before it joins.
+            self.measure(running=before)
+
+    def _admit(self) -> None:
         bt = self.config.block_tokens
         while self.waiting and len(self.running) < self.config.max_batch:
             request = self.waiting[0]
@@ -325,7 +435,7 @@ class Scheduler:
                 budget -= n
         prefill = sum(n for _, n in chunks)
         c = self.config
-        ms = c.step_ms + c.prefill_ms_per_token * prefill + c.decode_ms_per_seq * len(decoding)
+        ms = (c.step_ms + c.prefill_ms_per_token * prefill + c.decode_ms_per_seq * len(decoding)) * c.slowdown
         return chunks, decoding, ms / 1000
 
     def apply(self, chunks: list[tuple[SimRequest, int]], decoding: list[SimRequest], now: float) -> None:
@@ -360,6 +470,12 @@ class Scheduler:
                 s.cached_tokens += request.cached_tokens
                 s.output_tokens += request.generated
             request.event.set()
+        if self.config.metrics == "vllm":
+            self.measure()  # vLLM sets its gauges from every step's scheduler stats
+        elif decoding:
+            self._decode_steps += 1
+            if self._decode_steps % SGLANG_DECODE_LOG_INTERVAL == 0:
+                self.measure()
 
     def _finish(self, request: SimRequest) -> None:
         request.done = True
@@ -398,6 +514,9 @@ class Scheduler:
             raise RuntimeError("requests are running")
         self.kv.clear()
         self.stats = Stats()
+        self.config = self.initial
+        self._decode_steps = 0
+        self.measure()
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -418,13 +537,65 @@ def _usage(request: SimRequest) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
 
 
+_PROMETHEUS: Final = "text/plain; version=0.0.4; charset=utf-8"  # prometheus_client's CONTENT_TYPE_LATEST
+
+# Each engine's families: name, type, help text (its collector's own), and what gives the value.
+_Family = tuple[str, str, str, Callable[[Gauges, Stats, SimConfig], float]]
+VLLM_FAMILIES: Final[tuple[_Family, ...]] = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+     lambda g, s, c: g.running),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", lambda g, s, c: g.waiting),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+     lambda g, s, c: g.kv_used / c.kv_blocks),
+    ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", lambda g, s, c: s.prompt_tokens),
+    ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+     lambda g, s, c: s.output_tokens),
+    ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+     lambda g, s, c: s.prompt_tokens),
+    ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+     lambda g, s, c: s.cached_tokens),
+)
+SGLANG_FAMILIES: Final[tuple[_Family, ...]] = (
+    ("sglang:num_running_reqs", "gauge", "The number of running requests.", lambda g, s, c: g.running),
+    ("sglang:num_used_tokens", "gauge", "The number of used tokens.", lambda g, s, c: g.kv_used * c.block_tokens),
+    ("sglang:token_usage", "gauge", "The token usage.", lambda g, s, c: g.kv_used / c.kv_blocks),
+    ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", lambda g, s, c: g.waiting),
+    ("sglang:max_total_num_tokens", "gauge", "Maximum total number of tokens in the KV cache pool.",
+     lambda g, s, c: c.kv_blocks * c.block_tokens),
+)
+
+
+def _label_value(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def prometheus_text(config: SimConfig, gauges: Gauges, stats: Stats) -> str:
+    """``/metrics`` as the engine ``config.metrics`` writes it (prometheus_client's text
+    format: HELP and TYPE lines, labels sorted by name, values as floats)."""
+    if config.metrics == "vllm":
+        families, labels = VLLM_FAMILIES, {"engine": "0", "model_name": config.model}
+    else:
+        families = SGLANG_FAMILIES
+        labels = {"engine_type": "unified", "model_name": config.model, "pp_rank": "0", "tp_rank": "0"}
+    label_text = ",".join(f'{k}="{_label_value(v)}"' for k, v in sorted(labels.items()))
+    lines = []
+    for name, kind, doc, value in families:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}",
+                  f"{name}{{{label_text}}} {float(value(gauges, stats, config))!r}"]
+    return "\n".join(lines) + "\n"
+
+
 class SimServer:
     def __init__(self, config: SimConfig) -> None:
-        self.config = config
         self.scheduler = Scheduler(config)
         self.paths: Counter[str] = Counter()  # every path asked, to see what a router probes
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def config(self) -> SimConfig:
+        """The settings in force now (``POST /sim/control`` changes them)."""
+        return self.scheduler.config
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._count_paths], client_max_size=64 * 2**20)
@@ -439,7 +610,9 @@ class SimServer:
         for path in ("/get_server_info", "/server_info"):
             add("GET", path, self._server_info)
         add("GET", "/get_load", self._load)
+        add("GET", "/metrics", self._metrics)
         add("GET", "/sim/stats", self._stats)
+        add("POST", "/sim/control", self._control)
         add("POST", "/sim/reset", self._reset)
         app.on_startup.append(self._start_loop)
         app.on_cleanup.append(self._stop_loop)
@@ -594,6 +767,22 @@ class SimServer:
         return _json([{"dp_rank": 0, "num_reqs": len(s.running) + len(s.waiting), "num_waiting_reqs": len(s.waiting),
                        "num_tokens": used, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.config.metrics == "none":  # as a server without metrics: FastAPI's 404
+            return _json({"detail": "Not Found"}, status=404)
+        text = prometheus_text(self.config, self.scheduler.current_gauges(), self.scheduler.stats)
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS})
+
+    async def _control(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            config = self.scheduler.configure(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return _json({"config": asdict(config)})
+
     async def _stats(self, request: web.Request) -> web.Response:
         s = self.scheduler
         return _json({**asdict(s.stats), "running": len(s.running), "waiting": len(s.waiting),
@@ -648,12 +837,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SimConfig, str, int]:
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="answer length when the body names none")
     parser.add_argument("--model", default=d.model, help="the id /v1/models lists")
     parser.add_argument("--catch-up-ms", type=float, default=d.catch_up_ms)
+    parser.add_argument("--slowdown", type=float, default=d.slowdown, help="multiplies every step's cost")
+    parser.add_argument("--metrics", choices=METRICS, default=d.metrics,
+                        help="the engine whose /metrics to serve (none: 404)")
     a = parser.parse_args(argv)
+    if a.slowdown <= 0:
+        parser.error("--slowdown must be above 0")
     config = SimConfig(kv_blocks=a.kv_blocks, block_tokens=a.block_tokens, max_batch=a.max_batch,
                        prefill_budget=a.prefill_budget, step_ms=a.step_ms,
                        prefill_ms_per_token=a.prefill_ms_per_token, decode_ms_per_seq=a.decode_ms_per_seq,
-                       max_tokens=a.max_tokens, model=a.model, catch_up_ms=a.catch_up_ms)
+                       max_tokens=a.max_tokens, model=a.model, catch_up_ms=a.catch_up_ms, slowdown=a.slowdown,
+                       metrics=a.metrics)
     return config, a.host, a.port
+
+
+def command_args(config: SimConfig) -> list[str]:
+    """The command-line arguments (all but ``--host`` and ``--port``) that serve ``config``."""
+    return [arg for name, value in asdict(config).items()
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

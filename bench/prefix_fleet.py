@@ -70,7 +70,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -79,7 +79,7 @@ import msgspec
 import uvloop
 import yaml
 
-from bench.fleet_sim import SimConfig
+from bench.fleet_sim import SimConfig, command_args
 from bench.stack import Stack, command_line, markdown_table, percentile, write_section
 from iop.processes import Child, stop_all, wait_http, wait_port
 from iop.redis_server import free_port
@@ -149,8 +149,10 @@ def chat_prompt_tokens(system: str, user: str) -> int:
     return len(system.split()) + len(user.split()) + 3
 
 
-def make_trace(w: Workload, variant: str, rate: float, seconds: float, seed: str, block_tokens: int) -> list[Arrival]:
-    """Poisson arrivals at ``rate`` per second for ``seconds``; the same for every target.
+def make_trace(w: Workload, variant: str, rate: float, seconds: float, seed: str, block_tokens: int,
+               model: str = MODEL) -> list[Arrival]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``, asking for ``model``; the same
+    for every target.
 
     A Poisson process conditioned on its count: ``round(rate x seconds)`` arrival times drawn
     uniformly and sorted, so that every run offers exactly its load (a short run of a plain
@@ -177,7 +179,7 @@ def make_trace(w: Workload, variant: str, rate: float, seconds: float, seed: str
             shared = (len(system.split()) + 3) // block_tokens
         question = f"Question {len(trace)} from user {user}: " + words.text(rng, rng.randint(*w.query_tokens) - 5)
         body = msgspec.json.encode({
-            "model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+            "model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": w.output_tokens, "user": f"tenant-{tenant}-user-{user}",
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
         })
@@ -228,24 +230,20 @@ def nominal_capacity(sim: SimConfig, servers: int, w: Workload, variant: str, se
 
 
 class Fleet:
-    """The simulated servers, one process each, started once for the whole benchmark."""
+    """The simulated servers, one process each with its own settings, started once for the
+    whole benchmark."""
 
-    def __init__(self, sim: SimConfig, servers: int, directory: Path) -> None:
-        self.sim = sim
-        self.ports = [free_port() for _ in range(servers)]
+    def __init__(self, sims: Sequence[SimConfig], directory: Path) -> None:
+        self.sims = list(sims)
+        self.ports = [free_port() for _ in self.sims]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.dir = directory
         self.procs: list[Child] = []
 
     def __enter__(self) -> Fleet:
-        s = self.sim
         try:
-            for i, port in enumerate(self.ports):
-                args = ["--port", str(port), "--kv-blocks", str(s.kv_blocks), "--block-tokens", str(s.block_tokens),
-                        "--max-batch", str(s.max_batch), "--prefill-budget", str(s.prefill_budget),
-                        "--step-ms", str(s.step_ms), "--prefill-ms-per-token", str(s.prefill_ms_per_token),
-                        "--decode-ms-per-seq", str(s.decode_ms_per_seq), "--max-tokens", str(s.max_tokens),
-                        "--model", SERVED]
+            for i, (sim, port) in enumerate(zip(self.sims, self.ports, strict=True)):
+                args = ["--port", str(port), *command_args(replace(sim, model=SERVED))]
                 child = Child(f"sim-{i}", [sys.executable, "-m", "bench.fleet_sim", *args], dict(os.environ),
                               log_path=self.dir / f"sim-{i}.log")
                 self.procs.append(child.start())
@@ -267,7 +265,8 @@ class Fleet:
         return out
 
     async def reset(self, http: aiohttp.ClientSession) -> None:
-        """Empty caches and counters, once every request has left the servers."""
+        """Empty caches and counters and restore the servers' start-up settings, once every
+        request has left them."""
         deadline = time.monotonic() + 120
         for url in self.urls:
             while True:
@@ -396,26 +395,35 @@ class FleetStack(Stack):
         raise TimeoutError("iop's providers did not become available")
 
 
-_config_checks: dict[str, str | None] = {}
+_config_checks: dict[str, list[str]] = {}
+
+
+def config_problems(config: dict[str, Any], fields: Sequence[str]) -> list[str]:
+    """The lines in which ``iop config check`` refuses ``config`` because of one of ``fields``
+    (a feature this branch of iop may not have yet); none when it takes the config. A config
+    refused for anything else is this benchmark's mistake: RuntimeError."""
+    key = repr(config)
+    if key not in _config_checks:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "iop.yaml"
+            path.write_text(yaml.safe_dump(config))
+            done = subprocess.run([sys.executable, "-m", "iop", "config", "check", str(path)],
+                                  capture_output=True, text=True, timeout=120)
+        lines = [line.strip() for line in (done.stdout + done.stderr).splitlines()]
+        _config_checks[key] = [] if done.returncode == 0 else [line for line in lines if line.startswith("$.")]
+        if done.returncode != 0 and not _config_checks[key]:
+            raise RuntimeError(f"iop config check failed:\n{done.stdout}{done.stderr}")
+    problems = _config_checks[key]
+    ours = [line for line in problems if any(f in line for f in fields)]
+    if problems and not ours:  # a mistake in this benchmark's config, not the missing feature
+        raise RuntimeError("iop config check refuses the benchmark's config: " + "; ".join(problems))
+    return ours
 
 
 def iop_rejects(affinity: dict[str, Any]) -> str | None:
     """Why ``iop config check`` refuses the affinity field, or None when it takes it."""
-    key = repr(affinity)
-    if key not in _config_checks:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "iop.yaml"
-            path.write_text(yaml.safe_dump(iop_config(["http://127.0.0.1:9"], 8, affinity)))
-            done = subprocess.run([sys.executable, "-m", "iop", "config", "check", str(path)],
-                                  capture_output=True, text=True, timeout=120)
-        if done.returncode == 0:
-            _config_checks[key] = None
-        else:
-            problems = [line.strip() for line in (done.stdout + done.stderr).splitlines() if "affinity" in line]
-            if not problems:  # a mistake in this benchmark's config, not the missing feature
-                raise RuntimeError(f"iop config check failed:\n{done.stdout}{done.stderr}")
-            _config_checks[key] = "`iop config check` rejects it: " + "; ".join(problems)
-    return _config_checks[key]
+    problems = config_problems(iop_config(["http://127.0.0.1:9"], 8, affinity), ("affinity",))
+    return "`iop config check` rejects it: " + "; ".join(problems) if problems else None
 
 
 class Iop(Target):
@@ -435,9 +443,12 @@ class Iop(Target):
     def skip_reason(self) -> str | None:
         return iop_rejects(self.affinity) if self.affinity is not None else None
 
+    def make_stack(self, fleet: Fleet) -> FleetStack:
+        return FleetStack({}, capacity=self.capacity, servers=fleet.urls, affinity=self.affinity,
+                          replicas=self.replicas)
+
     def start(self, fleet: Fleet) -> None:
-        stack = FleetStack({}, capacity=self.capacity, servers=fleet.urls, affinity=self.affinity,
-                           replicas=self.replicas)
+        stack = self.make_stack(fleet)
         stack.__enter__()
         self.stack = stack
         self.urls = stack.api_urls
@@ -567,7 +578,7 @@ class Result:
     sent: float  # seconds after the run's start
     ttft: float  # seconds; inf without a first token
     done: float
-    status: int  # 0: no answer (a connection error or a broken stream)
+    status: int  # 0: no answer (a connection error or a broken stream); UNANSWERED: none by the end of the drain
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -577,6 +588,7 @@ class Result:
 
 _Chunk = dict[str, Any]
 R = TypeVar("R", bound=Result)
+UNANSWERED: Final = -1  # Result.status of a request cancelled, still unanswered, when run_trace's drain time ran out
 JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
 
@@ -607,6 +619,8 @@ async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: floa
                     usage = chunk["usage"]
     except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, ValueError):
         return result(sent, ttft, time.perf_counter() - t0, 0, queue_ms=queue_ms)
+    except asyncio.CancelledError:  # run_trace's drain ran out: what came of it so far, its first token
+        return result(sent, ttft, math.inf, UNANSWERED, queue_ms=queue_ms)
     done = time.perf_counter() - t0
     if usage is None:  # the stream ended without its usage chunk
         return result(sent, ttft, done, 0, queue_ms=queue_ms)
@@ -616,8 +630,11 @@ async def send(http: aiohttp.ClientSession, url: str, arrival: Arrival, t0: floa
 
 
 async def run_trace(target: Target, trace: Sequence[Arrival], headers: dict[str, str] = JSON_HEADERS,
-                    result: type[R] = Result) -> list[R]:  # type: ignore[assignment]
-    """Open loop: each request leaves at its time, whether or not earlier ones were answered."""
+                    result: type[R] = Result, drain: float | None = None) -> list[R]:  # type: ignore[assignment]
+    """Open loop: each request leaves at its time, whether or not earlier ones were answered.
+    ``drain``: once the last has left, how long the others have to finish; those still
+    running then are cancelled (the client hangs up) and come back with status UNANSWERED
+    (with their time to first token if one came)."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -636,7 +653,14 @@ async def run_trace(target: Target, trace: Sequence[Arrival], headers: dict[str,
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(arrival)))
-        return list(await asyncio.gather(*tasks))
+        if drain is None or not tasks:
+            return list(await asyncio.gather(*tasks))
+        _, pending = await asyncio.wait(tasks, timeout=drain)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        return [result(a.at, math.inf, math.inf, UNANSWERED) if t.cancelled() else t.result()
+                for a, t in zip(trace, tasks, strict=True)]
 
 
 @dataclass
@@ -807,7 +831,7 @@ async def main(args: argparse.Namespace) -> str:
     base = SimConfig(max_tokens=w.output_tokens)
     working_set = prefix_working_set(w, args.seed, base.block_tokens)
     kv_blocks = args.kv_blocks or math.ceil(working_set / args.kv_fill / args.servers)
-    sim = SimConfig(kv_blocks=kv_blocks, max_tokens=w.output_tokens)
+    sim = SimConfig(kv_blocks=kv_blocks, max_tokens=w.output_tokens, metrics="sglang")  # as its providers' type
     variants = [v for v in VARIANTS if v in args.variants]
     caps = {v: nominal_capacity(sim, args.servers, w, v, args.seed) for v in variants}
     for v, c in caps.items():
@@ -827,7 +851,7 @@ async def main(args: argparse.Namespace) -> str:
     probes: dict[str, int] = {}
     routers = 0
     failed: list[str] = []
-    with Fleet(sim, args.servers, directory) as fleet:
+    with Fleet([sim] * args.servers, directory) as fleet:
         for sc in scenarios(variants, args.loads):
             rate = sc.load * caps[sc.variant].per_server * args.servers
             trace = make_trace(w, sc.variant, rate, args.seconds, args.seed, sim.block_tokens)

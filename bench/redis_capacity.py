@@ -48,8 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -69,7 +67,7 @@ from redis.exceptions import ConnectionError
 
 from api.ratelimits import limits_for
 from api.waiting import ReplyReader
-from bench.stack import Stack, markdown_table, percentile, write_section
+from bench.stack import Stack, load_average, machine, markdown_table, percentile, write_section
 from dispatcher import config as cfg
 from dispatcher import events, keys
 from dispatcher.api_side import ApiSide
@@ -1119,19 +1117,6 @@ async def dispatch_cost_main(args: argparse.Namespace) -> str:
 # --- the report -----------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
-    return (f"{os.cpu_count()} vCPUs ({cpu}), Linux {platform.release()}, Redis {redis_version()}, "
-            f"Python {platform.python_version()}")
-
-
-def load_average() -> str:
-    return " / ".join(Path("/proc/loadavg").read_text().split()[:3]) + " (1 / 5 / 15 min)"
-
-
-def redis_version() -> str:
-    return RedisServer(data_dir=tempfile.gettempdir()).version()  # no server started, no directory made
 
 
 def quiet_closed_connections(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

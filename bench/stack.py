@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -44,6 +45,22 @@ def descendants(pid: int) -> list[int]:
         for child in children:
             found += [child, *descendants(child)]
     return found
+
+
+def machine() -> str:
+    """The machine a benchmark ran on, for its report."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    return (f"{os.cpu_count()} vCPUs ({cpu}), Linux {platform.release()}, Redis {redis_version()}, "
+            f"Python {platform.python_version()}")
+
+
+def load_average() -> str:
+    return " / ".join(Path("/proc/loadavg").read_text().split()[:3]) + " (1 / 5 / 15 min)"
+
+
+def redis_version() -> str:
+    return RedisServer(data_dir=tempfile.gettempdir()).version()  # no server started, no directory made
 
 
 def rss_mib(pid: int) -> float:

@@ -1,6 +1,8 @@
-"""bench/fleet_sim.py, the simulated inference server of bench/prefix_fleet.py: its prefix
-cache (hits, LRU eviction, pinned blocks), its OpenAI shapes (the openai SDK reads its
-streams and their usage chunk) and the endpoints sglang-router reads. Real HTTP against a
+"""bench/fleet_sim.py, the simulated inference server of bench/prefix_fleet.py and
+bench/capacity_fleet.py: its prefix cache (hits, LRU eviction, pinned blocks), its OpenAI
+shapes (the openai SDK reads its streams and their usage chunk), the endpoints
+sglang-router reads, its engine metrics (written as prometheus_client writes them, refreshed
+as vLLM and SGLang refresh theirs) and its run-time control. Real HTTP against a
 server started in this event loop on a free port (one test starts the command line); the
 simulated steps are 1 ms, and nothing here asserts a duration."""
 
@@ -8,40 +10,41 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
+import prometheus_client
 import pytest
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fleet_sim import Scheduler, SimConfig, block_hashes, chat_tokens, start
+from bench.fleet_sim import (
+    SGLANG_DECODE_LOG_INTERVAL,
+    SGLANG_FAMILIES,
+    SGLANG_IDLE_LOG_S,
+    VLLM_FAMILIES,
+    Gauges,
+    Scheduler,
+    SimConfig,
+    Stats,
+    block_hashes,
+    chat_tokens,
+    command_args,
+    controlled,
+    parse_args,
+    prometheus_text,
+)
 from iop.processes import Child, wait_port
 from iop.redis_server import free_port
+from tests.bench.conftest import Serve
 
 pytestmark = pytest.mark.anyio
 
 # Blocks of 4 tokens, 1 ms per step, no per-token cost: requests take milliseconds.
 FAST = SimConfig(kv_blocks=64, block_tokens=4, max_batch=4, prefill_budget=64, step_ms=1.0,
                  prefill_ms_per_token=0.0, decode_ms_per_seq=0.0, max_tokens=3)
-
-Serve = Callable[[SimConfig], Awaitable[str]]
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    """Start servers with a given config; each is the base URL of one."""
-    runners = []
-
-    async def one(config: SimConfig) -> str:
-        port = free_port()
-        runners.append(await start(config, "127.0.0.1", port))
-        return f"http://127.0.0.1:{port}"
-
-    yield one
-    for runner in runners:
-        await runner.cleanup()
-
 
 def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
@@ -233,3 +236,191 @@ def test_the_command_line_serves(tmp_path: Any) -> None:
         assert '"cli-model"' in out.stdout
     finally:
         assert child.stop(timeout=10) == 0
+
+
+# --------------------------------------------------------------------------- engine metrics
+
+
+def expected_exposition(families: tuple[tuple[str, str, str, Any], ...], labels: dict[str, str],
+                        values: dict[str, float]) -> str:
+    """What prometheus_client itself (the library vLLM and SGLang serve their metrics with)
+    writes for these families, without the counters' ``_created`` series."""
+    registry = prometheus_client.CollectorRegistry()
+    for name, kind, doc, _ in families:
+        if kind == "counter":
+            counter = prometheus_client.Counter(name.removesuffix("_total"), doc, list(labels), registry=registry)
+            counter.labels(**labels).inc(values[name])
+        else:
+            gauge = prometheus_client.Gauge(name, doc, list(labels), registry=registry)
+            gauge.labels(**labels).set(values[name])
+    text = prometheus_client.generate_latest(registry).decode()
+    blocks = text.split("# HELP ")
+    return "".join("# HELP " + b for b in blocks if b and "_created" not in b.split(" ", 1)[0])
+
+
+def test_vllm_metrics_are_written_as_prometheus_client_writes_them() -> None:
+    config = SimConfig(**{**FAST.__dict__, "metrics": "vllm", "model": "org/model"})
+    gauges = Gauges(running=3, waiting=2, kv_used=16, at=0.0)
+    stats = Stats(prompt_tokens=100, output_tokens=30, cached_tokens=40)
+    values = {"vllm:num_requests_running": 3, "vllm:num_requests_waiting": 2, "vllm:kv_cache_usage_perc": 0.25,
+              "vllm:prompt_tokens_total": 100, "vllm:generation_tokens_total": 30,
+              "vllm:prefix_cache_queries_total": 100, "vllm:prefix_cache_hits_total": 40}
+    text = prometheus_text(config, gauges, stats)
+    assert text == expected_exposition(VLLM_FAMILIES, {"model_name": "org/model", "engine": "0"}, values)
+    assert 'vllm:num_requests_running{engine="0",model_name="org/model"} 3.0\n' in text
+    assert "# TYPE vllm:kv_cache_usage_perc gauge\n" in text
+
+
+def test_sglang_metrics_are_written_as_prometheus_client_writes_them() -> None:
+    config = SimConfig(**{**FAST.__dict__, "metrics": "sglang"})
+    gauges = Gauges(running=2, waiting=5, kv_used=48, at=0.0)
+    values = {"sglang:num_running_reqs": 2, "sglang:num_queue_reqs": 5, "sglang:token_usage": 0.75,
+              "sglang:num_used_tokens": 48 * 4, "sglang:max_total_num_tokens": 64 * 4}
+    labels = {"model_name": "sim", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+    text = prometheus_text(config, gauges, Stats())
+    assert text == expected_exposition(SGLANG_FAMILIES, labels, values)
+    assert 'sglang:token_usage{engine_type="unified",model_name="sim",pp_rank="0",tp_rank="0"} 0.75\n' in text
+
+
+def step(s: Scheduler) -> None:
+    s.admit()
+    chunks, decoding, _ = s.plan()
+    s.apply(chunks, decoding, 0.0)
+
+
+def user_prompt(tag: str, n: int) -> list[str]:
+    return chat_tokens([{"role": "user", "content": words(tag, n)}])
+
+
+def test_vllm_gauges_follow_every_step() -> None:
+    s = Scheduler(SimConfig(**{**FAST.__dict__, "max_batch": 1, "metrics": "vllm"}))
+    a = s.submit(user_prompt("a", 6), 3)  # 8 prompt tokens + 3 out: 3 blocks of 4
+    s.submit(user_prompt("b", 6), 3)
+    assert (s.gauges.running, s.gauges.waiting) == (0, 0)  # nothing stepped yet
+    step(s)
+    assert (s.gauges.running, s.gauges.waiting, s.gauges.kv_used) == (1, 1, 3)
+    step(s)
+    step(s)  # A's third token: it finishes, and its 2 prompt blocks stay cached, evictable
+    assert a.done
+    assert (s.gauges.running, s.gauges.waiting, s.gauges.kv_used) == (0, 1, 0)
+    step(s)  # B admitted
+    assert (s.gauges.running, s.gauges.waiting) == (1, 0)
+
+
+def test_sglang_gauges_refresh_only_when_sglang_logs() -> None:
+    s = Scheduler(SimConfig(**{**FAST.__dict__, "max_batch": 2, "metrics": "sglang", "kv_blocks": 256}))
+    s.submit(user_prompt("a", 6), SGLANG_DECODE_LOG_INTERVAL + 5)
+    step(s)  # a prefill batch forms: logged with the batch that ran before it (none) and the queue
+    assert (s.gauges.running, s.gauges.waiting) == (0, 0)
+    s.submit(user_prompt("b", 6), SGLANG_DECODE_LOG_INTERVAL + 5)
+    s.submit(user_prompt("c", 6), SGLANG_DECODE_LOG_INTERVAL + 5)
+    step(s)  # B joins A; C waits
+    assert (s.gauges.running, s.gauges.waiting) == (1, 1)
+    stale = s.gauges
+    for _ in range(SGLANG_DECODE_LOG_INTERVAL - 3):  # decode steps 2..38: no refresh
+        step(s)
+        assert s.gauges == stale
+    step(s)
+    step(s)  # the 40th step that decodes
+    assert s.gauges != stale
+    assert (s.gauges.running, s.gauges.waiting) == (2, 1)
+
+
+def test_an_idle_sglang_refreshes_its_gauges_after_30_s() -> None:
+    s = Scheduler(SimConfig(**{**FAST.__dict__, "metrics": "sglang"}))
+    s.gauges = Gauges(running=4, waiting=1, kv_used=9, at=time.monotonic())  # the last busy log
+    assert s.current_gauges().running == 4  # idle, but logged less than 30 s ago
+    s.gauges = Gauges(running=4, waiting=1, kv_used=9, at=time.monotonic() - SGLANG_IDLE_LOG_S - 1)
+    assert s.current_gauges() == Gauges(0, 0, 0, s.gauges.at)
+
+
+def test_slowdown_multiplies_the_cost_of_a_step() -> None:
+    config = SimConfig(**{**FAST.__dict__, "step_ms": 10.0, "prefill_ms_per_token": 1.0, "decode_ms_per_seq": 2.0})
+    durations = []
+    for slowdown in (1.0, 3.0):
+        s = Scheduler(replace(config, slowdown=slowdown))
+        s.submit(user_prompt("a", 6), 3)
+        s.admit()
+        durations.append(s.plan()[2])
+    assert durations[0] == pytest.approx((10 + 8) / 1000)
+    assert durations[1] == pytest.approx(3 * durations[0])
+
+
+def test_a_smaller_batch_lets_the_running_finish_and_admits_none_until_under_it() -> None:
+    s = Scheduler(SimConfig(**{**FAST.__dict__, "max_batch": 3}))
+    for tag in "abcd":
+        s.submit(user_prompt(tag, 6), 2)
+    s.admit()
+    assert len(s.running) == 3
+    s.configure({"max_batch": 1})
+    step(s)  # their first tokens; nobody admitted beside the three
+    assert len(s.running) == 3
+    step(s)  # all three finish
+    assert not s.running
+    step(s)
+    assert len(s.running) == 1
+    assert not s.waiting
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"step_ms": -1}, "'step_ms' must be a number ≥ 0"),
+    ({"max_batch": 0}, "'max_batch' must be a whole number ≥ 1"),
+    ({"max_batch": 2.5}, "'max_batch' must be a whole number ≥ 1"),
+    ({"max_batch": True}, "'max_batch' must be a whole number ≥ 1"),
+    ({"slowdown": 0}, "'slowdown' must be a number > 0"),
+    ({"metrics": "tgi"}, "'metrics' must be one of vllm, sglang, none"),
+    ({"kv_blocks": 9}, "not a run-time setting: kv_blocks"),
+    ([1, 2], "the body must be a JSON object"),
+])
+def test_bad_controls_are_refused_and_change_nothing(changes: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        controlled(FAST, changes)
+    # Valid changes beside a bad one are not applied either.
+    if isinstance(changes, dict):
+        with pytest.raises(ValueError, match=message):
+            controlled(FAST, {"step_ms": 7, **changes})
+
+
+async def test_metrics_and_control_over_http(serve: Serve) -> None:
+    url = await serve(SimConfig(**{**FAST.__dict__, "metrics": "vllm"}))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/metrics") as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            text = await resp.text()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["vllm:num_requests_running"].type == "gauge"
+        assert families["vllm:prompt_tokens"].type == "counter"  # the parser drops the _total
+        assert families["vllm:kv_cache_usage_perc"].samples[0].value == 0.0
+
+        async with http.post(f"{url}/sim/control", json={"step_ms": 3, "max_batch": 2, "slowdown": 3,
+                                                          "metrics": "sglang"}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["config"]["slowdown"] == 3.0
+        async with http.get(f"{url}/metrics") as resp:
+            assert "sglang:num_queue_reqs{" in await resp.text()
+        async with http.post(f"{url}/sim/control", json={"max_batch": 0, "step_ms": 9}) as resp:
+            assert resp.status == 400
+            assert "'max_batch' must be a whole number ≥ 1" in (await resp.json())["error"]["message"]
+        stats = await get(url, "/sim/stats")
+        assert {k: stats["config"][k] for k in ("step_ms", "max_batch", "slowdown", "metrics")} == {
+            "step_ms": 3.0, "max_batch": 2, "slowdown": 3.0, "metrics": "sglang"}
+        assert (await get(url, "/get_server_info"))["max_running_requests"] == 2
+        await post(url, chat("a b", "c"))  # it still serves, on the new settings
+
+        async with http.post(f"{url}/sim/control", json={"metrics": "none"}) as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/metrics") as resp:
+            assert resp.status == 404  # as a server without metrics
+        async with http.post(f"{url}/sim/reset") as resp:
+            assert resp.status == 200
+        assert (await get(url, "/sim/stats"))["config"] == asdict(SimConfig(**{**FAST.__dict__, "metrics": "vllm"}))
+        async with http.get(f"{url}/metrics") as resp:
+            assert resp.status == 200
+
+
+def test_command_args_serve_the_config() -> None:
+    config = SimConfig(kv_blocks=123, block_tokens=8, max_batch=3, prefill_budget=512, step_ms=12.5,
+                       prefill_ms_per_token=0.25, decode_ms_per_seq=1.5, max_tokens=7, model="m-1",
+                       catch_up_ms=40.0, slowdown=2.0, metrics="sglang")
+    assert parse_args(["--port", "9", *command_args(config)]) == (config, "127.0.0.1", 9)

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,11 +157,12 @@ def litellm_config(port: int) -> dict[str, Any]:
     }
 
 
-def start_litellm(work: Path) -> RealServer:
-    """LiteLLM's proxy, every model mocked, no master key (any key is accepted)."""
+def start_litellm(work: Path, config: Callable[[int], dict[str, Any]] = litellm_config) -> RealServer:
+    """LiteLLM's proxy with ``config(its port)``, by default every model mocked; no master key
+    (any key is accepted)."""
     port = free_port()
     config_path = work / "litellm.yaml"
-    config_path.write_text(yaml.safe_dump(litellm_config(port), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(config(port), sort_keys=False))
     litellm = str(SERVERS_DIR / "litellm" / "bin" / "litellm")
     env = {
         **os.environ,
