@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from iop.redis_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "dev"
 CONTAINERS_CONF = ROOT / "deploy" / "podman" / "containers.conf"
@@ -81,20 +83,22 @@ class Stack:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_dir = log_dir
-        self.env = {**ENV, "IOP_COMPOSE_PROJECT": project, "IOP_COMPOSE_PORT": str(port)}
+        self.env = {**ENV, "IOP_COMPOSE_PROJECT": project, "IOP_COMPOSE_PORT": str(port),
+                    "IOP_COMPOSE_PROMETHEUS_PORT": str(free_port())}
 
     # ------------------------------------------------------------------ ./dev compose
 
-    def dev_compose(self, *args: str, timeout: float = UP_TIMEOUT_S) -> None:
+    def dev_compose(self, *args: str, timeout: float = UP_TIMEOUT_S, **env: str) -> None:
         """``./dev compose ARGS``, its output in the log directory."""
         log = self.log_dir / f"compose-{args[0]}.log"
         with log.open("a") as out:
-            done = subprocess.run([str(DEV), "compose", *args], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout, cwd=ROOT)
+            done = subprocess.run([str(DEV), "compose", *args], env={**self.env, **env}, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
         assert done.returncode == 0, f"./dev compose {' '.join(args)} exited {done.returncode}:\n{log.read_text()}"
 
-    def up(self, *args: str) -> None:
-        self.dev_compose("up", *args)
+    def up(self, *args: str, profiles: str = "") -> None:
+        """``./dev compose up ARGS``; ``profiles`` as COMPOSE_PROFILES."""
+        self.dev_compose("up", *args, COMPOSE_PROFILES=profiles)
 
     def down(self) -> None:
         self.dev_compose("down", timeout=600)

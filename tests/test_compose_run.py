@@ -245,6 +245,23 @@ def test_api_scales_to_three_and_the_lb_finds_the_new_replica(stack: Stack) -> N
     stack.wait_until("requests on all three replicas", every_replica_served, timeout=90, pause=1)
 
 
+def test_prometheus_scrapes_every_api_replica(stack: Stack) -> None:
+    # Grafana, the profile's other service, is in no Debian suite: where no registry gives
+    # its image it cannot run here, and tests/test_compose.py checks its wiring by reading it.
+    stack.up("prometheus", profiles="monitoring")
+    prometheus = stack.container("prometheus")
+    stack.wait_healthy(prometheus)
+    replicas = len(stack.containers("api", running=True))
+
+    def api_targets() -> list[dict[str, Any]]:
+        answer = json.loads(stack.exec(prometheus, "wget", "-q", "-O", "-", "http://127.0.0.1:9090/api/v1/targets"))
+        return [t for t in answer["data"]["activeTargets"] if t["labels"]["job"] == "iop-api"]
+
+    # dns_sd_configs type A on `api`: one target per replica, each answering /metrics.
+    stack.wait_until(f"{replicas} api targets up",
+                     lambda: [t["health"] for t in api_targets()] == ["up"] * replicas, timeout=90, pause=1)
+
+
 def test_down_leaves_nothing(stack: Stack) -> None:
     stack.down()
     assert stack.leftovers() == {}

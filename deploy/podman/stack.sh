@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compose.yaml run by podman and podman-compose, on a machine with no Docker engine and,
 # possibly, no image registry. `./dev compose up` and `./dev compose down` call this;
-# docs/DEPLOY.md ("Without Docker: podman") says what each step does and why.
+# docs/DEPLOY.md ("Without Docker, or without a registry") says what each step does and why.
 #
 #   deploy/podman/stack.sh up [podman-compose up options]
 #       the base images (pulled, or else stand-ins made from Debian packages, reused
@@ -13,7 +13,8 @@
 #       only the images
 #
 # Environment: IOP_COMPOSE_PROJECT (the compose project, default iop), IOP_COMPOSE_PORT
-# (the load balancer's port on 127.0.0.1, default 8080), IOP_COMPOSE_UP_TIMEOUT (seconds
+# (the load balancer's port on 127.0.0.1, default 8080; IOP_COMPOSE_PROMETHEUS_PORT,
+# default 9090, Prometheus' in the monitoring profile), IOP_COMPOSE_UP_TIMEOUT (seconds
 # `up` waits for the load balancer, default 300), PODMAN_COMPOSE (the podman-compose
 # command; `./dev compose` installs one), CONTAINERS_CONF (default
 # deploy/podman/containers.conf).
@@ -25,10 +26,15 @@ export CONTAINERS_CONF=${CONTAINERS_CONF:-$HERE/containers.conf}
 PROJECT=${IOP_COMPOSE_PROJECT:-iop}
 export IOP_COMPOSE_PORT=${IOP_COMPOSE_PORT:-8080}
 UP_TIMEOUT=${IOP_COMPOSE_UP_TIMEOUT:-300}
-# Stand-ins and build logs; the directory survives fresh clones, like pip's cache.
+# Logs, the lock, each running project's files (removed by `down`); outside the checkout,
+# so that fresh clones share it, like the images.
 STATE=${IOP_COMPOSE_STATE:-/var/tmp/iop-compose}
 # Bump when a stand-in recipe changes in a way its inputs below do not show.
 RECIPE_VERSION=1
+
+# A stand-in's root file system while it is made: removed however the script ends.
+ROOTFS=
+trap '[ -z "$ROOTFS" ] || rm -rf "$ROOTFS"' EXIT
 
 say() { echo "compose: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -38,8 +44,11 @@ podman_compose() {
   command -v "${cmd%% *}" >/dev/null 2>&1 || die "no podman-compose (run it as ./dev compose, which installs one)"
   # shellcheck disable=SC2086  # PODMAN_COMPOSE may carry arguments
   # podman-compose leaves a value tagged !override uninterpolated: fill the port in here.
-  local override=$STATE/compose.podman-$PROJECT.yaml
-  sed "s/\${IOP_COMPOSE_PORT:-8080}/$IOP_COMPOSE_PORT/g" "$HERE/compose.podman.yaml" >"$override"
+  local override=$STATE/$PROJECT/compose.podman.yaml
+  mkdir -p "$STATE/$PROJECT"
+  sed -e "s/\${IOP_COMPOSE_PORT:-8080}/$IOP_COMPOSE_PORT/g" \
+      -e "s/\${IOP_COMPOSE_PROMETHEUS_PORT:-9090}/${IOP_COMPOSE_PROMETHEUS_PORT:-9090}/g" \
+      "$HERE/compose.podman.yaml" >"$override"
   (cd "$ROOT" && $cmd -p "$PROJECT" -f compose.yaml -f "$override" "$@")
 }
 
@@ -91,7 +100,6 @@ customise_prometheus() {  # prom/prometheus:v3.5.0: Debian unstable's prometheus
   local dir=$1
   mkdir -p "$dir/prometheus"
   chroot "$dir" chown nobody:nogroup /prometheus
-  ln -sf /usr/bin/prometheus "$dir/bin/prometheus"
   CHANGES=('WORKDIR /prometheus' 'VOLUME /prometheus' 'USER nobody' 'EXPOSE 9090'
            'ENTRYPOINT ["/usr/bin/prometheus"]'
            'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]')
@@ -108,6 +116,7 @@ STANDINS=(
 MONITORING_STANDINS=(
   "docker.io/prom/prometheus:v3.5.0|sid|prometheus,wget|customise_prometheus"
 )
+GRAFANA=docker.io/grafana/grafana:11.6.1
 
 recipe_of() {  # suite packages customise
   { printf '%s\n' "$RECIPE_VERSION" "$1" "$2"; declare -f "$3"; cat "$HERE"/standins/*; } | sha256sum | cut -c1-16
@@ -125,13 +134,12 @@ make_standin() {  # tag suite packages customise recipe
   local args=()
   mkdir -p "$STATE"
   dir=$(mktemp -d "$STATE/rootfs.XXXXXX")
+  ROOTFS=$dir
   log=$STATE/${customise#customise_}.log
   started=$SECONDS
   say "making the stand-in $tag from Debian $suite ($packages; log in $log)"
-  if ! debootstrap --variant=minbase --include="$packages" "$suite" "$dir" "$(debian_mirror)" >"$log" 2>&1; then
-    rm -rf "$dir"
+  debootstrap --variant=minbase --include="$packages" "$suite" "$dir" "$(debian_mirror)" >"$log" 2>&1 ||
     die "debootstrap of $suite failed (see $log)"
-  fi
   CHANGES=()
   "$customise" "$dir"
   rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/* "$dir"/tmp/* "$dir"/var/log/*.log
@@ -140,6 +148,7 @@ make_standin() {  # tag suite packages customise recipe
   done
   tar -C "$dir" --numeric-owner -c . | podman import --quiet "${args[@]}" - "$tag" >/dev/null
   rm -rf "$dir"
+  ROOTFS=
   say "$tag made in $((SECONDS - started)) s"
 }
 
@@ -200,12 +209,13 @@ EOF
 }
 
 build_iop() {
-  local tmp started secrets
+  local tmp started secrets previous
   tmp=$(mktemp -d)
   write_pip_settings "$tmp"
   secrets=(--secret "id=pip.conf,src=$tmp/pip.conf")
   [ -f "$tmp/pip-cert" ] && secrets+=(--secret "id=pip-cert,src=$tmp/pip-cert")
   mkdir -p "$STATE"
+  previous=$(podman image inspect --format '{{.Id}}' iop:local 2>/dev/null || true)
   started=$SECONDS
   say "building iop:local from the Dockerfile (log in $STATE/build.log)"
   if ! (cd "$ROOT" && podman build --layers --tag iop:local "${secrets[@]}" --file Dockerfile .) >"$STATE/build.log" 2>&1; then
@@ -214,6 +224,9 @@ build_iop() {
     die "building iop:local failed (see $STATE/build.log)"
   fi
   rm -rf "$tmp"
+  # The image the tag leaves behind, unless containers still run from it.
+  [ -z "$previous" ] || [ "$previous" = "$(podman image inspect --format '{{.Id}}' iop:local)" ] ||
+    podman rmi "$previous" >/dev/null 2>&1 || true
   say "iop:local built in $((SECONDS - started)) s"
 }
 
@@ -231,6 +244,11 @@ images() {
     for spec in "${MONITORING_STANDINS[@]}"; do
       ensure_image "$spec"
     done
+    # Grafana is in no Debian suite: no stand-in for it.
+    if ! podman image exists "$GRAFANA" && ! podman pull --quiet "$GRAFANA" >/dev/null 2>&1; then
+      say "no registry gives $GRAFANA, and Debian packages no Grafana: name the services to start" \
+          "(COMPOSE_PROFILES=monitoring ./dev compose up prometheus)"
+    fi
   fi
   build_iop
   flock -u 9
@@ -241,9 +259,10 @@ images() {
 up() {
   local deadline=$((SECONDS + UP_TIMEOUT)) url="http://127.0.0.1:$IOP_COMPOSE_PORT/readyz" started=$SECONDS
   images
+  mkdir -p "$STATE/$PROJECT"
   say "starting project $PROJECT (podman-compose up -d; the load balancer on 127.0.0.1:$IOP_COMPOSE_PORT)"
-  podman_compose up --detach --no-build "$@" >"$STATE/up-$PROJECT.log" 2>&1 ||
-    { tail -n 20 "$STATE/up-$PROJECT.log" >&2; die "podman-compose up failed (see $STATE/up-$PROJECT.log)"; }
+  podman_compose up --detach --no-build "$@" >"$STATE/$PROJECT/up.log" 2>&1 ||
+    { tail -n 20 "$STATE/$PROJECT/up.log" >&2; die "podman-compose up failed (see $STATE/$PROJECT/up.log)"; }
   until python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)' "$url" 2>/dev/null; do
     if [ $SECONDS -ge $deadline ]; then
       podman ps -a --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}} {{.Status}}' >&2
@@ -255,10 +274,13 @@ up() {
 }
 
 down() {
-  local kind ids
+  local kind ids kept="" started=$SECONDS
+  mkdir -p "$STATE/$PROJECT"
   if command -v "${PODMAN_COMPOSE:-podman-compose}" >/dev/null 2>&1; then
-    podman_compose down --volumes --remove-orphans >"$STATE/down-$PROJECT.log" 2>&1 ||
-      say "podman-compose down failed (see $STATE/down-$PROJECT.log); removing what is left by label"
+    podman_compose down --volumes --remove-orphans >"$STATE/$PROJECT/down.log" 2>&1 || {
+      kept=1
+      say "podman-compose down failed (see $STATE/$PROJECT/down.log); removing what is left by label"
+    }
   fi
   # Whatever podman-compose left (a half-made stack, containers of services it no longer
   # knows), found by the label it gives everything of the project.
@@ -270,7 +292,8 @@ down() {
     ids=$(podman "$kind" ls -q --filter "label=io.podman.compose.project=$PROJECT")
     [ -z "$ids" ] || podman "$kind" rm --force $ids >/dev/null
   done
-  say "down: project $PROJECT removed"
+  [ -n "$kept" ] || rm -rf "${STATE:?}/$PROJECT"
+  say "down: project $PROJECT removed ($((SECONDS - started)) s)"
 }
 
 mkdir -p "$STATE"
