@@ -163,6 +163,7 @@ ensure_image() {  # "tag|suite|packages|customise"
     return 0
   fi
   command -v debootstrap >/dev/null 2>&1 || die "no registry gives $tag, and debootstrap is missing (apt-get install debootstrap)"
+  [ "$(id -u)" = 0 ] || die "no registry gives $tag, and debootstrap needs root to make a stand-in"
   make_standin "$tag" "$suite" "$packages" "$customise" "$recipe"
 }
 
@@ -257,12 +258,14 @@ images() {
 # ---------------------------------------------------------------- up, down
 
 up() {
-  local deadline=$((SECONDS + UP_TIMEOUT)) url="http://127.0.0.1:$IOP_COMPOSE_PORT/readyz" started=$SECONDS
+  local deadline url="http://127.0.0.1:$IOP_COMPOSE_PORT/readyz" started=$SECONDS
   images
   mkdir -p "$STATE/$PROJECT"
   say "starting project $PROJECT (podman-compose up -d; the load balancer on 127.0.0.1:$IOP_COMPOSE_PORT)"
   podman_compose up --detach --no-build "$@" >"$STATE/$PROJECT/up.log" 2>&1 ||
     { tail -n 20 "$STATE/$PROJECT/up.log" >&2; die "podman-compose up failed (see $STATE/$PROJECT/up.log)"; }
+  # From here: the images may have taken many minutes, the stack itself should not.
+  deadline=$((SECONDS + UP_TIMEOUT))
   until python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)' "$url" 2>/dev/null; do
     if [ $SECONDS -ge $deadline ]; then
       podman ps -a --filter "label=io.podman.compose.project=$PROJECT" --format '{{.Names}} {{.Status}}' >&2
