@@ -19,9 +19,16 @@ RUN apt-get update \
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 
+# pip's settings, when the builder hands some in as build secrets: `./dev compose up`
+# passes this machine's own (its index and CA bundle, as pip.conf and pip-cert), so the
+# install reaches PyPI the way the host's pip does. Without them (a plain
+# `docker compose up --build`) pip goes to PyPI directly: a PIP_CONFIG_FILE that does not
+# exist is ignored. Secrets never stay in a layer.
 COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip \
-    /opt/venv/bin/pip install "/src[otel]"
+    --mount=type=secret,id=pip.conf \
+    --mount=type=secret,id=pip-cert \
+    PIP_CONFIG_FILE=/run/secrets/pip.conf /opt/venv/bin/pip install "/src[otel]"
 
 # ---------------------------------------------------------------- runtime stage
 FROM python:3.11-slim
