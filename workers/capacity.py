@@ -53,6 +53,8 @@ SLOW_START = 1.5  # the multiplier of rises before the first queue
 HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
 QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
 MIN_SAMPLES = 3  # calls a latency verdict needs
+PENDING = 64  # calls kept for the next latency verdict at most
+PERSIST_S = 1.0  # an engine queue counts when every reading this long shows one
 WINDOW = 256  # calls the unqueued level is taken from
 UNQUEUED_QUANTILE = 0.2
 
@@ -101,7 +103,8 @@ class LimitController:
     _last_tick: float = 0.0
     _window: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _window_json: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    _recent: list[CallSample] = field(default_factory=list)
+    _pending: list[CallSample] = field(default_factory=list)  # calls since the limit last moved
+    _readings: deque[EngineLoad] = field(default_factory=lambda: deque(maxlen=32))
 
     @classmethod
     def starting(cls, floor: int, ceiling: int, start: int | None = None, hint: int | None = None) -> LimitController:
@@ -115,47 +118,67 @@ class LimitController:
     # --- what the worker tells it -----------------------------------------------------------
 
     def observe(self, sample: CallSample) -> None:
-        self._recent.append(sample)
+        """A call the provider answered."""
+        self._pending.append(sample)
+        del self._pending[:-PENDING]
 
     def note_in_flight(self, in_flight: int) -> None:
         """iop's requests on the provider now (every worker's): the tick's peak."""
         self._peak_in_flight = max(self._peak_in_flight, in_flight)
+
+    def note_engine(self, reading: EngineLoad) -> None:
+        """A fresh reading of the engine's own load (workers/engine_metrics.py)."""
+        if reading.waiting is not None:
+            self._readings.append(reading)
 
     # --- the decision --------------------------------------------------------------------------
 
     def due(self, now: float) -> bool:
         return now - self._last_tick >= TICK_S
 
-    def tick(self, now: float, backlog: bool, engine: EngineLoad | None, external: int) -> Change | None:
-        """Move the limit, or not. ``backlog``: jobs wait in the provider's lanes; ``engine``:
-        its last reading (None: none); ``external``: load iop does not send, counted in
-        ``engine`` and against iop's share of the limit."""
+    def tick(self, now: float, backlog: bool, external: int) -> Change | None:
+        """Move the limit, or not. ``backlog``: jobs wait in the provider's lanes;
+        ``external``: load iop does not send, counted against iop's share of the limit."""
         self._last_tick = now
-        samples, self._recent = self._recent, []
         peak, self._peak_in_flight = self._peak_in_flight, 0
         # Every slot of iop's share was taken with more waiting: the provider is the bottleneck.
         saturated = backlog and peak >= self.limit - external
-        fresh = engine if engine is not None and engine.age_s(now) <= STALE_S else None
-        if fresh is not None and fresh.waiting is not None:
-            change = self._by_engine(now, fresh, saturated)
-            self._remember(samples)
-            return change
-        return self._by_latency(now, samples, saturated)
+        window = [r for r in self._readings if 0 <= now - r.at <= PERSIST_S]
+        if len(window) >= 2 and now - window[-1].at <= STALE_S:
+            self._remember(self._pending)
+            self._pending = []
+            return self._by_engine(now, window, saturated)
+        return self._by_latency(now, saturated)
 
-    def _by_engine(self, now: float, engine: EngineLoad, saturated: bool) -> Change | None:
-        waiting, running = engine.waiting or 0, engine.running or 0
-        if waiting > 0:
-            target = max(self.floor, running)
+    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool) -> Change | None:
+        """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
+        request that arrived during a step waits for the next one, and SGLang refreshes its
+        gauges only now and then; those are not a knee."""
+        waits = [r.waiting or 0 for r in window]
+        if min(waits) > 0:
+            # What the engine runs at most while it queues, and iop's excess over it: the limit
+            # falls to the one or by the other, whichever moves it less (a stale reading's
+            # running may be low), and at least a slot.
+            running = max(r.running or 0 for r in window)
+            target = max(self.floor, min(self.limit - 1, max(running, self.limit - min(waits))))
             if target < self.limit:
-                return self._fall(now, target, f"engine queue {waiting} at {running} running")
+                return self._fall(now, target, f"engine queue {min(waits)} at {running} running")
             return None
-        if engine.kv_usage is not None and engine.kv_usage >= KV_FULL:
+        if max(waits) > 0:
+            return None  # a queue that comes and goes: at the knee
+        if any(r.kv_usage is not None and r.kv_usage >= KV_FULL for r in window):
             return None
         if saturated:
             return self._rise(now, "engine queue 0, every slot busy with more waiting")
         return None
 
-    def _by_latency(self, now: float, samples: list[CallSample], saturated: bool) -> Change | None:
+    def _by_latency(self, now: float, saturated: bool) -> Change | None:
+        if now < self._quiet_until:
+            # Calls dispatched before the limit last moved, finishing now: not its verdict.
+            self._remember(self._pending)
+            self._pending = []
+            return None
+        samples = self._pending
         streams = [s for s in (c.queue_signal() for c in samples if c.ttft_s is not None) if s is not None]
         jsons = [s for s in (c.queue_signal() for c in samples if c.ttft_s is None) if s is not None]
         verdict: tuple[float, str] | None = None
@@ -167,24 +190,30 @@ class LimitController:
                     gradient = statistics.median(values) / level
                     if verdict is None or gradient > verdict[0]:
                         verdict = (gradient, what)
-            window.extend(values)
-        if verdict is not None and verdict[0] > QUEUE_FACTOR:
-            if now < self._quiet_until:
-                return None  # calls dispatched before the last fall, finishing now
+        if verdict is None:
+            if len(streams) + len(jsons) >= MIN_SAMPLES and not (len(self._window) + len(self._window_json)):
+                self._remember(samples)  # the first calls: the unqueued level to judge by
+                self._pending = []
+            return None  # too few calls yet to say
+        self._remember(samples)
+        self._pending = []
+        e2e = statistics.median(c.e2e_s for c in samples)
+        if verdict[0] > QUEUE_FACTOR:
             gradient, what = verdict
             # A call that waits in the engine waits about as long whether one or five are
             # over its batch: the gradient says that requests queue, not by how many. Back
             # to the last level that showed none in slow start, else one slot down.
-            target = self._last_clear if self.slow_start and self._last_clear < self.limit else self.limit - 1
+            target = self._last_clear if self.slow_start and 0 < self._last_clear < self.limit else self.limit - 1
             if target >= self.floor:
-                change = self._fall(now, target, f"{what} {gradient:.1f}x its unqueued level")
-                self._quiet_until = now + statistics.median(c.e2e_s for c in samples)
-                return change
+                self._quiet_until = now + e2e
+                return self._fall(now, target, f"{what} {gradient:.1f}x its unqueued level")
             return None
-        if verdict is not None:
-            self._last_clear = self.limit
-            if saturated:
-                return self._rise(now, "every slot busy with more waiting, latency flat")
+        self._last_clear = self.limit
+        if saturated:
+            change = self._rise(now, "every slot busy with more waiting, latency flat")
+            if change is not None:
+                self._quiet_until = now + e2e
+            return change
         return None
 
     def _remember(self, samples: list[CallSample]) -> None:

@@ -53,6 +53,7 @@ IDLE_READ_S = 1.0
 READ_TIMEOUT_S = 1.0
 PUBLISH_EVERY_S = 2.0
 SERVICE_WINDOW = 64  # calls the service time is the median of
+EXTERNAL_WINDOW_S = 1.0  # load iop does not send: the least of this long's readings
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ProviderLoad:
     metrics: EngineMetrics | None = None
     engine: EngineLoad | None = None
     external: int = 0
+    beyond: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=16))
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
@@ -183,6 +185,7 @@ class CapacityControl:
     async def _read(self, load: ProviderLoad) -> bool:
         """One reading of the provider; whether iop runs requests there."""
         pid = load.provider.id
+        reading = None
         if load.metrics is not None and load.metrics.available:
             reading = await load.metrics.read(READ_TIMEOUT_S)
             if reading is not None:
@@ -200,19 +203,21 @@ class CapacityControl:
             return True
         in_flight = int(replies[0] or 0)
         backlog = any(int(n) for n in replies[1:])
-        engine = load.engine
         now = time.monotonic()
-        fresh = engine is not None and engine.age_s(now) <= 2 * BUSY_READ_S + READ_TIMEOUT_S
-        if fresh and engine is not None:
-            # What the engine runs and queues beyond iop's own requests there.
-            load.external = max((engine.running or 0) + (engine.waiting or 0) - in_flight, 0)
-        else:
-            load.external = 0
+        if reading is not None:
+            # What the engine runs and queues beyond iop's own requests there, at this reading.
+            load.beyond.append((now, max((reading.running or 0) + (reading.waiting or 0) - in_flight, 0)))
+        # The least of the last second's readings: a request of iop's the engine has not
+        # counted yet, or one it still counts after iop saw it end, is not another client's.
+        recent = [ext for at, ext in load.beyond if now - at <= EXTERNAL_WINDOW_S]
+        load.external = min(recent) if recent else 0
         ctl = load.controller
         if ctl is not None:
             ctl.note_in_flight(in_flight)
+            if reading is not None:
+                ctl.note_engine(reading)
             if ctl.due(now):
-                change = ctl.tick(now, backlog, engine if fresh else None, load.external)
+                change = ctl.tick(now, backlog, load.external)
                 if change is not None:
                     load.moved = True
                     log.info("capacity of %s: %s", pid, change.reason)

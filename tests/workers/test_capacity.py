@@ -30,6 +30,12 @@ class Clock:
         return self.now
 
 
+def read(ctl: LimitController, now: float, running: int, waiting: int, kv: float | None = None) -> None:
+    """Two readings of the engine in a tick, as the worker makes them (every 250 ms while busy)."""
+    for at in (now - TICK_S / 2, now):
+        ctl.note_engine(engine(running, waiting, kv, at=at))
+
+
 def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, external: int = 0) -> list[int]:
     """Ticks against an engine of ``batch`` slots that iop keeps full (a backlog waits):
     it runs min(total, batch) and queues the rest; the limits after each tick."""
@@ -39,7 +45,8 @@ def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, exter
         own = ctl.limit - external  # iop fills its share
         total = own + external
         ctl.note_in_flight(own)
-        ctl.tick(now, backlog=True, engine=engine(min(total, batch), max(total - batch, 0), at=now), external=external)
+        read(ctl, now, min(total, batch), max(total - batch, 0))
+        ctl.tick(now, backlog=True, external=external)
         limits.append(ctl.limit)
     return limits
 
@@ -59,8 +66,9 @@ def test_it_follows_a_batch_that_shrinks_and_grows_again() -> None:
     ctl = LimitController.starting(1, 64)
     run_engine(ctl, clock, batch=16, ticks=40)
     assert 16 <= ctl.limit <= 17
-    limits = run_engine(ctl, clock, batch=4, ticks=4)
-    assert limits[0] == 4  # one reading with a queue is enough
+    limits = run_engine(ctl, clock, batch=4, ticks=12)
+    assert limits[0] < 16  # a queue in every reading of a second falls at once
+    assert 4 <= limits[-1] <= 5
     assert ctl.reason.startswith("engine queue")
     limits = run_engine(ctl, clock, batch=10, ticks=int(3 * HOLD_S / TICK_S))
     assert 10 <= limits[-1] <= 11
@@ -80,7 +88,8 @@ def test_a_full_kv_cache_holds_the_limit() -> None:
     for _ in range(10):
         now = clock.step()
         ctl.note_in_flight(6)
-        ctl.tick(now, backlog=True, engine=engine(6, 0, kv=0.97, at=now), external=0)
+        read(ctl, now, 6, 0, kv=0.97)
+        ctl.tick(now, backlog=True, external=0)
     assert ctl.limit == 6
 
 
@@ -90,7 +99,8 @@ def test_no_backlog_no_rise() -> None:
     for _ in range(10):
         now = clock.step()
         ctl.note_in_flight(4)
-        ctl.tick(now, backlog=False, engine=engine(4, 0, at=now), external=0)
+        read(ctl, now, 4, 0)
+        ctl.tick(now, backlog=False, external=0)
     assert ctl.limit == 4
 
 
@@ -109,8 +119,34 @@ def test_a_stale_engine_reading_says_nothing() -> None:
     ctl = LimitController.starting(1, 64, start=8)
     now = clock.step()
     ctl.note_in_flight(8)
-    ctl.tick(now, backlog=True, engine=engine(4, 9, at=now - 10), external=0)
+    read(ctl, now - 10, 4, 9)
+    ctl.tick(now, backlog=True, external=0)
     assert ctl.limit == 8
+
+
+def test_a_queue_that_comes_and_goes_is_not_a_knee() -> None:
+    # A request that arrives during a step waits for the next one: one reading of two shows it.
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=6)
+    for _ in range(10):
+        now = clock.step()
+        ctl.note_in_flight(6)
+        ctl.note_engine(engine(5, 1, at=now - TICK_S / 2))
+        ctl.note_engine(engine(6, 0, at=now))
+        ctl.tick(now, backlog=True, external=0)
+    assert ctl.limit == 6  # neither fell nor rose
+
+
+def test_a_stale_running_count_does_not_drag_the_limit_down() -> None:
+    # SGLang's gauges, refreshed when a prefill batch forms, count what ran before it: a
+    # queue of one at 2 "running" under a limit of 8 takes a slot off, not six.
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=8)
+    now = clock.step()
+    ctl.note_in_flight(8)
+    read(ctl, now, 2, 1)
+    assert ctl.tick(now, backlog=True, external=0) is not None
+    assert ctl.limit == 7
 
 
 # --------------------------------------------------------------------------- latency only
@@ -132,7 +168,7 @@ def simulate_latency(ctl: LimitController, clock: Clock, batch: int, ticks: int,
         for _ in range(4):
             wait = queued * service_s * speed / batch
             ctl.observe(stream_call((0.05 * speed) + wait, tpot=0.02 * speed))
-        ctl.tick(now, backlog=True, engine=None, external=0)
+        ctl.tick(now, backlog=True, external=0)
         limits.append(ctl.limit)
     return limits
 
@@ -160,7 +196,7 @@ def test_latency_rises_only_on_calls_that_showed_no_queue() -> None:
     for _ in range(10):
         now = clock.step()
         ctl.note_in_flight(4)
-        ctl.tick(now, backlog=True, engine=None, external=0)  # no calls finished: no evidence
+        ctl.tick(now, backlog=True, external=0)  # no calls finished: no evidence
     assert ctl.limit == 4
 
 
@@ -172,11 +208,11 @@ def test_json_calls_judge_by_time_per_token() -> None:
         ctl.note_in_flight(8)
         for _ in range(4):
             ctl.observe(CallSample(e2e_s=1.0, ttft_s=None, tokens=50))
-        ctl.tick(now, backlog=False, engine=None, external=0)
+        ctl.tick(now, backlog=False, external=0)
     now = clock.step()
     for _ in range(4):
         ctl.observe(CallSample(e2e_s=3.5, ttft_s=None, tokens=50))
-    ctl.tick(now, backlog=False, engine=None, external=0)
+    ctl.tick(now, backlog=False, external=0)
     assert ctl.limit < 8
     assert ctl.reason.startswith("time per output token")
 
