@@ -464,7 +464,10 @@ class Iop(Target):
                 except (OSError, KeyError, StopIteration, msgspec.DecodeError) as exc:
                     print(f"{self.name}: no affinity decisions from /catalog: {exc!r}", flush=True)
             self.stack.__exit__()
-            shutil.rmtree(self.stack.dir, ignore_errors=True)  # its config and logs; a failed start quotes its log
+            if os.environ.get("IOP_BENCH_KEEP"):
+                print(f"{self.name}: its config and logs kept in {self.stack.dir}", flush=True)
+            else:
+                shutil.rmtree(self.stack.dir, ignore_errors=True)  # a failed start quotes its log
             self.stack = None
 
     def route(self, arrival: Arrival) -> tuple[str, int | None]:
