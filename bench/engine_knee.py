@@ -207,8 +207,13 @@ def main() -> None:
     print(out)
     if not args.url:
         notes = (f"\nllama-server `--parallel {args.parallel} --threads {args.threads}` on the tiny GGUF "
-                 f"(tests/realservers/tiny_gguf.py), streamed chat, `max_tokens` {args.max_tokens}, "
-                 "called directly; the median of the runs.\n")
+                 f"(tests/realservers/tiny_gguf.py), streamed chat, `max_tokens` {args.max_tokens}, called "
+                 f"directly; the median of {args.repeat} runs. On a shared machine the wall-clock columns move "
+                 "with whatever else runs; the engine's own counts do not: *tokens per decode* (generated "
+                 "tokens per `llama_decode()` call, from its `/metrics`) is how many slots each step advanced, "
+                 "and *processing* / *deferred* the most `llamacpp:requests_processing` / "
+                 "`llamacpp:requests_deferred` seen. Past its slots no step advances more of them, and the "
+                 "rest wait in its queue.\n")
         write_section("engine-knee", command_line(COMMAND, args, DEFAULTS), out, notes,
                       heading="## A real engine's knee: llama-server's slots (issue 30)\n\n")
 
