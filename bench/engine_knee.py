@@ -125,8 +125,9 @@ async def level(url: str, model: str, concurrency: int, total: int, max_tokens: 
             deferred_max = max(deferred_max, int(now["requests_deferred"]))
             await asyncio.sleep(0.05)
 
-    # A connection per request: llama-server closes one after a stream, and a pooled one
-    # may be reused just as it does.
+    # A connection per request: a pooled one may be one llama-server is just closing (seen
+    # here under load: "Can not write request body"); iop's adapter makes such a call again
+    # on a fresh connection, a measurement should not have to.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
