@@ -5,7 +5,10 @@ Each endpoint reports them its own way; what is read here:
 * chat/completions, completions -- ``usage.prompt_tokens`` / ``completion_tokens`` of the
   JSON answer, or of a stream's chunks (the final usage-only chunk that
   ``stream_options.include_usage`` asks for, or usage in every chunk: vLLM's
-  ``continuous_usage_stats``, cumulative, so the last one wins).
+  ``continuous_usage_stats``, cumulative, so the last one wins). A llama-server chat
+  stream that did not ask has no usage, but its last chunk has ``timings``: the prompt is
+  what it read plus what its cache held (``prompt_n`` + ``cache_n``), the completion
+  ``predicted_n``.
 * embeddings -- ``usage.prompt_tokens``.
 * responses -- the JSON answer's ``usage.input_tokens`` / ``output_tokens``; in a stream,
   the ``response`` of ``response.completed`` (or ``.incomplete`` / ``.failed``).
@@ -56,6 +59,7 @@ COUNTED = frozenset({
 ASKABLE = frozenset({"chat/completions", "completions"})
 
 _USAGE = b'"usage"'
+_TIMINGS = b'"timings"'
 
 
 class _Counts(msgspec.Struct):
@@ -87,7 +91,16 @@ class _Chunk(msgspec.Struct):
     timings: msgspec.Raw = msgspec.Raw()  # llama.cpp's: cache_n
 
 
+class _Timings(msgspec.Struct):
+    """The counts of llama-server's ``timings`` (its times are none of iop's business)."""
+
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    predicted_n: int | None = None
+
+
 _answer = msgspec.json.Decoder(_Answer)
+_timings = msgspec.json.Decoder(_Timings)
 _chunk = msgspec.json.Decoder(_Chunk)
 _object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _NULL = b"null"
@@ -125,6 +138,18 @@ def _pair(c: _Counts | None) -> tuple[int | None, int | None]:
     if prompt is None and completion is None and c.total_tokens is not None:
         prompt = c.total_tokens  # rerank, score: no generation, all of it read
     return prompt, completion
+
+
+def _timed_pair(raw: msgspec.Raw) -> tuple[int | None, int | None]:
+    """(prompt, completion) as llama-server's ``timings`` say them; None where they say nothing."""
+    try:
+        t = _timings.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None, None
+    if any(n is not None and n < 0 for n in (t.cache_n, t.prompt_n, t.predicted_n)):
+        return None, None
+    prompt = t.prompt_n + (t.cache_n or 0) if t.prompt_n is not None else None
+    return prompt, t.predicted_n
 
 
 def _usage(prompt: int | None, completion: int | None, cached: int | None = None) -> Usage | None:
@@ -193,9 +218,11 @@ class StreamUsage:
             return payloads
         # One search in C over the batch (a fast provider's batch is a whole answer), then
         # a look at each payload only from the first that may hold usage on.
-        at = (b"".join(payloads) if len(payloads) > 1 else payloads[0]).find(_USAGE)
-        if at < 0:
+        joined = b"".join(payloads) if len(payloads) > 1 else payloads[0]
+        found = [at for at in (joined.find(_USAGE), joined.find(_TIMINGS)) if at >= 0]
+        if not found:
             return payloads
+        at = min(found)
         first = 0
         for payload in payloads:
             at -= len(payload)
@@ -206,7 +233,7 @@ class StreamUsage:
         for i in range(first, len(payloads)):
             payload = payloads[i]
             kept: bytes | None = payload
-            if _USAGE in payload:
+            if _USAGE in payload or _TIMINGS in payload:
                 kept = self._read(payload)
             if kept is not payload and out is None:
                 out = payloads[:i]
@@ -225,7 +252,7 @@ class StreamUsage:
         for holder in (chunk.response, chunk.message):
             if counts is None and holder:
                 counts = _held(holder)
-        prompt, completion = _pair(counts)
+        prompt, completion = _pair(counts) if counts is not None or not chunk.timings else _timed_pair(chunk.timings)
         cached = _cached(counts, chunk.timings)
         if cached is not None:
             self._cached = cached
@@ -237,7 +264,7 @@ class StreamUsage:
             return payload
         if counts is not None and chunk.choices == []:
             return None  # the usage-only chunk iop asked for
-        if counts is None:
+        if counts is None and _USAGE in payload:
             # OpenAI puts ``"usage": null`` in every chunk once usage is asked for.
             return _without_null_usage(payload)
         return payload

