@@ -26,7 +26,10 @@ HTTP_TYPES = frozenset(PROVIDER_TYPES) - {"cli"}
 # The default of a provider's ``stream_usage``: the runtimes that take
 # stream_options.include_usage. Not openai_api: some hosted APIs refuse the field (Mistral
 # answers 422), and a stream that worked must not start failing.
-STREAM_USAGE_TYPES = frozenset({"vllm", "sglang", "lemonade", "ollama", "llamacpp"})
+# Not llamacpp: llama-server ends every stream with its counts unasked (``timings``), and
+# asked, moves them into the usage-only chunk, which iop keeps from a caller who did not ask;
+# llama-cpp-python ignores the field.
+STREAM_USAGE_TYPES = frozenset({"vllm", "sglang", "lemonade", "ollama"})
 CATEGORIES = ("api", "cli", "local_inference")
 
 # The category a provider gets when the config does not name one.

