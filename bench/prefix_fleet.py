@@ -381,7 +381,7 @@ class FleetStack(Stack):
         # No fakes: Stack's wait for them passes at once, so the providers are waited for here.
         for i in range(len(self.servers)):
             self._spawn(f"worker-{i}", ["worker", "--config", str(config_path), "--node", f"n{i}",
-                                        "--log-level", "warning"], env)
+                                        "--log-level", os.environ.get("IOP_BENCH_WORKER_LOG", "warning")], env)
         apis = [self._spawn(f"api-{k}", ["api", "--config", str(config_path), "--port", str(port), "--workers", "1",
                                          "--log-level", "warning"], env)
                 for k, port in enumerate(self.api_ports)]

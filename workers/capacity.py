@@ -52,6 +52,7 @@ KV_FULL = 0.92  # KV cache use at which the limit stops rising (preemption is ne
 SLOW_START = 1.5  # the multiplier of rises before the first queue
 HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
 QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
+EASED = 0.75  # after a fall, a gradient still this much of the one before: it was no queue
 MIN_SAMPLES = 3  # calls a latency verdict needs
 PENDING = 64  # calls kept for the next latency verdict at most
 PERSIST_S = 1.0  # an engine queue counts when every reading this long shows one
@@ -98,6 +99,7 @@ class LimitController:
     _hold_until: float = 0.0
     _quiet_until: float = 0.0
     _last_clear: int = 0  # the last limit whose calls showed no queue (latency)
+    _fell_at_gradient: float = 0.0  # the latency gradient a fall was made on, until calls ease
     _fell_from: int = 0
     _peak_in_flight: int = 0
     _last_tick: float = 0.0
@@ -147,28 +149,32 @@ class LimitController:
         if len(window) >= 2 and now - window[-1].at <= STALE_S:
             self._remember(self._pending)
             self._pending = []
-            return self._by_engine(now, window, saturated)
+            return self._by_engine(now, window, saturated, draining=peak > self.limit)
         return self._by_latency(now, saturated)
 
-    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool) -> Change | None:
+    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool, draining: bool) -> Change | None:
         """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
         request that arrived during a step waits for the next one, and SGLang refreshes its
-        gauges only now and then; those are not a knee."""
+        gauges only now and then; those are not a knee. ``draining``: iop still runs more
+        than the limit there (dispatched before it fell): the queue is theirs, not the
+        limit's, until they are done."""
         waits = [r.waiting or 0 for r in window]
         if min(waits) > 0:
+            if draining:
+                return None
             # What the engine runs at most while it queues, and iop's excess over it: the limit
             # falls to the one or by the other, whichever moves it less (a stale reading's
-            # running may be low), and at least a slot.
+            # running may be low).
             running = max(r.running or 0 for r in window)
-            target = max(self.floor, min(self.limit - 1, max(running, self.limit - min(waits))))
+            target = max(self.floor, running, self.limit - min(waits))
             if target < self.limit:
                 return self._fall(now, target, f"engine queue {min(waits)} at {running} running")
             return None
-        if max(waits) > 0:
-            return None  # a queue that comes and goes: at the knee
         if any(r.kv_usage is not None and r.kv_usage >= KV_FULL for r in window):
             return None
-        if saturated:
+        # Proof that it runs the whole limit: a reading with all of it running and nothing
+        # queued (a request that waits a step elsewhere in the window does not disprove it).
+        if saturated and any((r.waiting or 0) == 0 and (r.running or 0) >= self.limit for r in window):
             return self._rise(now, "engine queue 0, every slot busy with more waiting")
         return None
 
@@ -195,19 +201,30 @@ class LimitController:
                 self._remember(samples)  # the first calls: the unqueued level to judge by
                 self._pending = []
             return None  # too few calls yet to say
-        self._remember(samples)
         self._pending = []
         e2e = statistics.median(c.e2e_s for c in samples)
-        if verdict[0] > QUEUE_FACTOR:
-            gradient, what = verdict
+        gradient, what = verdict
+        if gradient > QUEUE_FACTOR:
+            if self._fell_at_gradient and gradient >= EASED * self._fell_at_gradient:
+                # The limit fell and the calls did not ease: not a queue but other calls (longer
+                # prompts, say). Their level is the one to judge by from now on.
+                self._window.clear()
+                self._window_json.clear()
+                self._remember(samples)
+                self._fell_at_gradient = 0.0
+                return None
             # A call that waits in the engine waits about as long whether one or five are
             # over its batch: the gradient says that requests queue, not by how many. Back
             # to the last level that showed none in slow start, else one slot down.
             target = self._last_clear if self.slow_start and 0 < self._last_clear < self.limit else self.limit - 1
             if target >= self.floor:
                 self._quiet_until = now + e2e
+                self._fell_at_gradient = gradient
                 return self._fall(now, target, f"{what} {gradient:.1f}x its unqueued level")
             return None
+        # Only calls that showed no queue make the unqueued level.
+        self._remember(samples)
+        self._fell_at_gradient = 0.0
         self._last_clear = self.limit
         if saturated:
             change = self._rise(now, "every slot busy with more waiting, latency flat")
