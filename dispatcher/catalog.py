@@ -27,6 +27,7 @@ from dispatcher import keys, wire
 from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
+from dispatcher.live import LiveView, read_live
 from dispatcher.plans import Plans
 from dispatcher.tenants import Tenant, Tenants, bands, flow_control
 
@@ -82,6 +83,10 @@ class ProviderView(msgspec.Struct):
     rate_limited: RateLimitView | None = None
     # The median time of its recent calls, ms (what deadlines are predicted from).
     service_ms: float | None = None
+    # Live figures from traffic (dispatcher/live.py), per window ('5m', '1h', '24h'): over
+    # every model it serves, and per model.
+    live: dict[str, LiveView] = {}
+    live_by_model: dict[str, dict[str, LiveView]] = {}
 
 
 class EjectionView(msgspec.Struct):
@@ -385,6 +390,11 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     for (node_id, prov), fields in zip(providers, hashes, strict=True):
         views[prov.id] = _provider_view(node_id, prov, fields, now, groups_of.get(prov.id, []), queued,
                                         histories.get(prov.id, []))
+
+    figures = await read_live(redis, [(pid, m.id) for m in config.models for pid in m.providers if pid in views],
+                              {prov.id: h for (_, prov), h in zip(providers, hashes, strict=True)}, now)
+    for pid, live in figures.items():
+        views[pid].live, views[pid].live_by_model = live.total, live.by_model
 
     models = []
     for model in config.models:

@@ -17,6 +17,16 @@ from fnmatch import fnmatchcase
 from dispatcher.config import DEFAULT_TENANT, Config, KeyLimits
 from dispatcher.exceptions import InvalidRequest
 
+# The tenant a qualification's requests run as (``iop qualify``, api/auth.py): the lowest band,
+# at most the config's share of a model's slots; its jobs are kept out of the live figures and
+# counted apart in /metrics. Config validation keeps the name from caller keys.
+QUALIFY_TENANT = "iop-qualify"
+
+
+def is_qualification(job_id: str) -> bool:
+    """Is a job a qualification's: its id names its tenant (flow control is on with one)."""
+    return job_id.startswith(QUALIFY_TENANT + "~")
+
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
