@@ -90,7 +90,7 @@ class LiveView(msgspec.Struct, frozen=True):
 
 def value_of(bin_: float) -> float:
     """The value at a (fractional) bin position: bin b holds [RATIO**b, RATIO**(b+1))."""
-    return RATIO ** (bin_ - BIN_BASE)
+    return float(RATIO ** (bin_ - BIN_BASE))
 
 
 def bin_of(value: float) -> int:
@@ -109,9 +109,9 @@ def percentile(hist: dict[int, int], q: float) -> float | None:
     for b in sorted(hist):
         n = hist[b]
         if seen + n >= rank:
-            return round(value_of(b + (rank - seen) / n), 3)
+            return round(float(value_of(b + (rank - seen) / n)), 3)
         seen += n
-    return round(value_of(max(hist) + 1), 3)
+    return round(float(value_of(max(hist) + 1)), 3)
 
 
 def _merge(into: dict[Any, int], more: dict[Any, int]) -> None:

@@ -80,7 +80,8 @@ async def test_an_answered_call_lands_in_the_current_bucket_of_every_window(h: H
         b = got[field]
         assert b.at in (before // length, (before // length) + 1)
         assert field == f"{name}:{b.at % count}"
-        assert b.requests == 1 and b.errors == {}
+        assert b.requests == 1
+        assert b.errors == {}
         assert b.ttft == {live.bin_of(100.0): 1}
         assert b.e2e == {live.bin_of(900.0): 1}
         # 80 tokens over the 800 ms after the first output.
@@ -111,9 +112,11 @@ async def test_each_model_of_a_provider_has_its_own_figures(h: Harness) -> None:
     a = next(p for p in cat.providers if p.id == "a")
     assert a.live_by_model["m"]["5m"].requests == 1
     assert a.live_by_model["n"]["5m"].requests == 2
-    assert a.live["5m"].requests == 3 and a.live["24h"].requests == 3
+    assert a.live["5m"].requests == 3
+    assert a.live["24h"].requests == 3
     b = next(p for p in cat.providers if p.id == "b")
-    assert b.live["5m"].requests == 0 and b.live["5m"].ttft_ms is None
+    assert b.live["5m"].requests == 0
+    assert b.live["5m"].ttft_ms is None
 
 
 async def test_a_bucket_from_an_older_turn_of_its_slot_is_replaced_not_added_to(h: Harness) -> None:
@@ -125,7 +128,8 @@ async def test_a_bucket_from_an_older_turn_of_its_slot_is_replaced_not_added_to(
     await h.redis.hset(keys.live("a", "m"), f"5m:{at % count}", msgspec.msgpack.encode(old))
     await run_one(h, LiveSample(e2e_ms=400.0))
     b = (await buckets(h, "a"))[f"5m:{(await now_ms(h.redis)) // length % count}"]
-    assert b.requests == 1 and b.e2e == {live.bin_of(400.0): 1}
+    assert b.requests == 1
+    assert b.e2e == {live.bin_of(400.0): 1}
 
 
 async def test_the_catalog_reads_only_buckets_inside_each_window(h: Harness) -> None:
@@ -140,7 +144,8 @@ async def test_the_catalog_reads_only_buckets_inside_each_window(h: Harness) -> 
     a = next(p for p in (await read_catalog(h.redis, h.config)).providers if p.id == "a")
     assert a.live["5m"].requests == 3
     e2e = a.live["5m"].e2e_ms
-    assert e2e is not None and 100.0 <= e2e.p50 < 105.0
+    assert e2e is not None
+    assert 100.0 <= e2e.p50 < 105.0
 
 
 async def test_a_fenced_finish_counts_nothing(h: Harness) -> None:
@@ -191,7 +196,8 @@ async def test_heartbeats_of_an_available_provider_count_its_time_as_up(h: Harne
     got = await up_buckets(h, "a")
     assert len(got) == 3
     for b in got.values():
-        assert 1000 <= b.seen_ms < 1500 and b.up_ms == b.seen_ms
+        assert 1000 <= b.seen_ms < 1500
+        assert b.up_ms == b.seen_ms
     a = next(p for p in (await read_catalog(h.redis, h.config)).providers if p.id == "a")
     assert a.live["5m"].uptime == 1.0
 
@@ -202,15 +208,18 @@ async def test_time_reported_unavailable_or_past_a_heartbeats_expiry_is_not_up(h
     await h.redis.hset(keys.provider("a"), mapping={"hb_ms": now - 4000, "hb_exp": now - 3000})
     await h.up("a")
     b = await window_total(h, "a", "5m")
-    assert 4000 <= b.seen_ms < 4500 and b.up_ms == 1000
+    assert 4000 <= b.seen_ms < 4500
+    assert b.up_ms == 1000
     await h.redis.hset(keys.provider("a"), "hb_ms", (await now_ms(h.redis)) - 2000)
     await h.up("a", "unavailable")  # the 2 s before it were still up: it said available then
     await h.redis.hset(keys.provider("a"), "hb_ms", (await now_ms(h.redis)) - 2000)
     await h.up("a")  # those 2 s it was unavailable
     b = await window_total(h, "a", "5m")
-    assert 3000 <= b.up_ms < 3100 and 8000 <= b.seen_ms < 9000
+    assert 3000 <= b.up_ms < 3100
+    assert 8000 <= b.seen_ms < 9000
     a = next(p for p in (await read_catalog(h.redis, h.config)).providers if p.id == "a")
-    assert a.live["5m"].uptime is not None and 0.3 < a.live["5m"].uptime < 0.4
+    assert a.live["5m"].uptime is not None
+    assert 0.3 < a.live["5m"].uptime < 0.4
 
 
 async def test_a_provider_never_heard_of_has_no_uptime_rather_than_zero(h: Harness) -> None:
