@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import re
 import statistics
+from typing import cast
 
 import msgspec
 import pytest
@@ -43,7 +44,7 @@ async def run_one(h: Harness, sample: LiveSample | None, model: str = "m", token
 
 
 async def buckets(h: Harness, provider: str, model: str = "m") -> dict[str, wire.LiveBucket]:
-    raw = await h.redis.hgetall(keys.live(provider, model))
+    raw = cast(dict[bytes, bytes], await h.redis.hgetall(keys.live(provider, model)))
     out = {}
     for k, v in raw.items():
         b = wire.live_bucket(v)
@@ -179,7 +180,7 @@ def test_an_empty_histogram_has_no_percentile() -> None:
 
 
 async def up_buckets(h: Harness, provider: str) -> dict[str, wire.UptimeBucket]:
-    raw = await h.redis.hgetall(keys.provider(provider))
+    raw = cast(dict[bytes, bytes], await h.redis.hgetall(keys.provider(provider)))
     return {k.decode(): b for k, v in raw.items() if k.startswith(b"up:")
             and (b := wire.uptime_bucket(v.decode())) is not None}
 
