@@ -84,6 +84,36 @@ def load_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ms_text(ms: float) -> str:
+    return f"{ms / 1000:.2f}s" if ms >= 1000 else f"{ms:.0f}ms"
+
+
+def live_text(window: str, v: dict[str, Any]) -> str:
+    """One window of a provider's live figures: ``5m: 120 req, 2 err (5xx 2), ttft p50 80ms p90
+    210ms, e2e p50 1.20s p90 2.31s, 41 tok/s, up 99.8%``; a figure it has nothing for is left out."""
+    parts = [f"{window}: {v['requests']} req"]
+    errors = v.get("errors") or {}
+    if errors:
+        parts.append(f"{sum(errors.values())} err (" + ", ".join(f"{k} {n}" for k, n in errors.items()) + ")")
+    for label, field in (("ttft", "ttft_ms"), ("e2e", "e2e_ms")):
+        pct = v.get(field)
+        if pct:
+            parts.append(f"{label} p50 {ms_text(pct['p50'])} p90 {ms_text(pct['p90'])}")
+    if v.get("tokens_per_s") is not None:
+        parts.append(f"{v['tokens_per_s']:.0f} tok/s")
+    if v.get("uptime") is not None:
+        parts.append(f"up {v['uptime'] * 100:.1f}%")
+    return ", ".join(parts)
+
+
+def live_lines(p: dict[str, Any]) -> list[str]:
+    """A provider's live figures (absent from an older iop's catalog): each window that has
+    seen a request or a heartbeat."""
+    windows = p.get("live") or {}
+    shown = [live_text(w, v) for w, v in windows.items() if v.get("requests") or v.get("uptime") is not None]
+    return ["live " + "; ".join(shown)] if shown else []
+
+
 def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
     text = ", ".join(SHORT_ENDPOINTS.get(e, e) for e in endpoints) or "none"
     return textwrap.wrap(f"endpoints: {text}", WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
@@ -130,6 +160,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if p.get("evidence"):  # absent from an older iop's catalog, None with nothing held against it
             lines.append("    " + paint(evidence_text(p["evidence"]), DIM))
         lines.extend("    " + paint(line, DIM) for line in load_lines(p))
+        lines.extend("    " + paint(line, DIM) for line in live_lines(p))
         if "endpoints" in p:  # an older iop's catalog has none
             lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))
     tenants = doc.get("tenants") or []  # an older iop's catalog has none
