@@ -66,6 +66,8 @@ and every script can be given all of its keys in KEYS.
 |                          |        | (uptime lives in the provider hash: ``up:<window>:<slot>``)   |
 | ``{iop}:qual:<model>``   | list   | a model's qualification reports, newest first (JSON,          |
 |                          |        | dispatcher/qualifications.py; the last 20 kept)               |
+| ``{iop}:qual:run:<id>``  | hash   | a qualification run under way: model, expires_ms, max_tokens,  |
+|                          |        | asked, cancelled (api/qualify.py); expires after its time     |
 | ``{iop}:tel:<node>``     | hash   | device telemetry: worker id -> its last report (JSON,         |
 |                          |        | wire.Telemetry; workers/telemetry.py), TTL 3 heartbeats       |
 
@@ -125,6 +127,11 @@ def live(provider_id: str, model_id: str) -> str:
 def qualifications(model_id: str) -> str:
     """A model's qualification reports, newest first (``dispatcher/qualifications.py``)."""
     return f"{PREFIX}:qual:{model_id}"
+
+
+def qualification_run(run_id: str) -> str:
+    """A qualification run under way: its model, bounds and tokens asked (``api/qualify.py``)."""
+    return f"{PREFIX}:qual:run:{run_id}"
 
 
 def telemetry(node_id: str) -> str:
