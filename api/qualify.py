@@ -102,8 +102,9 @@ async def _capacity(gw: Gateway, provider: str, default: int) -> int:
 
 
 @post("/admin/qualifications/{model_id:str}/runs", status_code=201, summary="Start a qualification run")
-async def start_run(gw: NamedDependency[Gateway], model_id: FromPath[str],
-                    data: bytes | None = None) -> Response[bytes]:
+async def start_run(request: Request[Any, Any, Any], gw: NamedDependency[Gateway],
+                    model_id: FromPath[str]) -> Response[bytes]:
+    data = await request.body()
     rt = gw.runtime
     _enabled(rt)
     qc = rt.config.qualify
@@ -170,7 +171,9 @@ async def cancel_run(gw: NamedDependency[Gateway], run_id: FromPath[str]) -> Res
 
 
 @post("/admin/qualifications/{model_id:str}", status_code=201, summary="Store a qualification report")
-async def store_report(gw: NamedDependency[Gateway], model_id: FromPath[str], data: bytes) -> Response[bytes]:
+async def store_report(request: Request[Any, Any, Any], gw: NamedDependency[Gateway],
+                       model_id: FromPath[str]) -> Response[bytes]:
+    data = await request.body()
     rt = gw.runtime
     _enabled(rt)
     qc = rt.config.qualify
