@@ -114,6 +114,34 @@ def live_lines(p: dict[str, Any]) -> list[str]:
     return ["live " + "; ".join(shown)] if shown else []
 
 
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def telemetry_text(node: dict[str, Any]) -> str:
+    """A node's host and devices, as its freshest worker reported them; '-' where nothing did."""
+    t = node.get("telemetry")
+    if not t:
+        return "telemetry: no worker reports"
+    cpu, mem = t.get("cpu"), t.get("memory")
+    cpu_text = "-" if not cpu or cpu.get("utilization") is None else f"{cpu['utilization']:.0%}"
+    parts = [f"cpu {cpu_text}" + (f" of {cpu['cores']} cores" if cpu else ""),
+             f"memory {_gib(mem['used_bytes'])}/{_gib(mem['total_bytes'])} GiB" if mem else "memory -"]
+    gpus = t.get("gpus")
+    if gpus is None:
+        parts.append(f"gpus - ({t.get('gpus_reason') or 'not read'})")
+    elif not gpus:
+        parts.append("gpus none")
+    else:
+        parts += [f"gpu{g['index']} {'-' if g.get('utilization') is None else format(g['utilization'], '.0%')} "
+                  f"{_gib(g.get('memory_used_bytes'))}/{_gib(g.get('memory_total_bytes'))} GiB" for g in gpus]
+    for m in t.get("models") or []:
+        held = [f"{_gib(m['vram_bytes'])} GiB VRAM"] if m.get("vram_bytes") is not None else []
+        held += [f"KV {m['kv_usage']:.0%}"] if m.get("kv_usage") is not None else []
+        parts.append(f"{m['provider']} {m['model']}: {', '.join(held) or '-'}")
+    return "telemetry: " + ", ".join(parts)
+
+
 def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
     text = ", ".join(SHORT_ENDPOINTS.get(e, e) for e in endpoints) or "none"
     return textwrap.wrap(f"endpoints: {text}", WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
@@ -150,6 +178,9 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if node_id != current:
             current = node_id
             lines.append(paint(f"node {node_id}", BOLD))
+            node_doc: dict[str, Any] = next((n for n in doc["nodes"] if n["id"] == node_id), {})
+            if "telemetry" in node_doc:  # an older iop's catalog has none
+                lines.append("  " + paint(telemetry_text(node_doc), DIM))
             lines.append("  " + "  ".join(paint(h.ljust(w), DIM) for h, w in zip(headers, widths, strict=True)))
         padded = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
         lines.append("  " + "  ".join(paint(c, code) if code else c

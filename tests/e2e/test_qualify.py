@@ -151,3 +151,14 @@ def test_a_run_is_refused_a_provider_the_model_lacks(system: System) -> None:
     run = httpx.post(f"{system.api_url}/admin/qualifications/m/runs", json={"providers": ["zz"]}, timeout=30)
     assert run.status_code == 400
     assert "not a provider of 'm'" in run.text
+
+
+def test_a_node_without_a_gpu_reports_cpu_memory_and_no_gpus(system: System) -> None:
+    system.wait_until("telemetry reported", lambda: httpx.get(f"{system.api_url}/catalog", timeout=10)
+                      .json()["nodes"][0].get("telemetry") is not None)
+    node = httpx.get(f"{system.api_url}/catalog", timeout=10).json()["nodes"][0]
+    assert len(node["workers"]) == 1
+    t = node["telemetry"]
+    assert t["cpu"]["cores"] >= 1
+    assert t["memory"]["total_bytes"] > t["memory"]["used_bytes"] > 0
+    assert t["gpus"] == []
