@@ -36,10 +36,10 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
                                              http_provider("c", "vllm", sys_.port("fc"), 16, ["served"])]}],
     })
     with sys_:
-        common = ["--models", "served", "--tokens", str(TOKENS), "--token-interval-ms", "25"]
-        sys_.fake("fa", *common, "--delay-ms", "60", "--parallel", "4")
-        sys_.fake("fb", *common, "--delay-ms", "150", "--parallel", "4")
-        sys_.fake("fc", *common, "--delay-ms", "60", "--word", "alt")
+        common = ["--models", "served", "--tokens", str(TOKENS), "--token-interval-ms", "40"]
+        sys_.fake("fa", *common, "--delay-ms", "150", "--parallel", "4")
+        sys_.fake("fb", *common, "--delay-ms", "400", "--parallel", "4")
+        sys_.fake("fc", *common, "--delay-ms", "150", "--word", "alt")
         sys_.worker("n1")
         sys_.api()
         sys_.wait_available("a", "b", "c")
@@ -73,7 +73,7 @@ def test_providers_are_ranked_by_the_ttft_a_client_measures(report: dict[str, An
     ps = by_provider(report)
     assert ps["a"]["ttft_ms"]["1"]["p50"] < ps["b"]["ttft_ms"]["1"]["p50"]
     assert ps["a"]["rank"] < ps["b"]["rank"]
-    assert ps["b"]["ttft_ms"]["1"]["p50"] >= 150
+    assert ps["b"]["ttft_ms"]["1"]["p50"] >= 400
 
 
 def test_a_provider_serving_another_model_is_flagged_and_the_others_pass(report: dict[str, Any]) -> None:
@@ -103,7 +103,7 @@ def test_the_report_is_stored_and_read_back(system: System, report: dict[str, An
     md = httpx.get(f"{system.api_url}/qualifications/m/markdown", timeout=10)
     assert md.headers["content-type"].startswith("text/markdown")
     assert "# Qualification of `m`" in md.text
-    assert "| 1 | a | vllm | 4 |" in md.text, md.text
+    assert "| 1 | a | vllm |" in md.text, md.text
     page = httpx.get(f"{system.api_url}/ui/qualifications", timeout=10)
     assert page.status_code == 200
     assert "Providers side by side" in page.text
@@ -129,7 +129,7 @@ def test_callers_requests_make_the_live_figures(system: System, report: dict[str
     live = {p["id"]: p["live"]["5m"] for p in cat["providers"]}
     assert sum(v["requests"] for v in live.values()) == 12
     served = [v for v in live.values() if v["requests"]]
-    assert all(v["ttft_ms"]["p50"] >= 60 and v["e2e_ms"]["p50"] > v["ttft_ms"]["p50"] for v in served)
+    assert all(v["ttft_ms"]["p50"] >= 150 and v["e2e_ms"]["p50"] > v["ttft_ms"]["p50"] for v in served)
     assert all(v["uptime"] is not None and v["uptime"] > 0.9 for v in live.values())
     metrics = httpx.get(f"{system.api_url}/metrics", timeout=10).text
     assert 'iop_live_requests{model="m",provider="a",window="5m"}' in metrics
