@@ -20,6 +20,8 @@ from api.errors import HANDLERS
 from api.gateway import Gateway, reload_on_hangup
 from api.openapi import document_requests
 from api.operator import OPEN_HANDLERS, operator_router
+from api.qualify import OPEN_HANDLERS as QUALIFY_OPEN
+from api.qualify import qualify_routers
 from api.routes import healthz, readyz, v1_router
 from api.runtime import Runtime
 from dispatcher import config as cfg
@@ -60,7 +62,8 @@ def create_app(config: cfg.Config | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=[v1_router(), operator_router([guard]), *control_routers([guard], [control_guard]),
-                        *OPEN_HANDLERS, healthz, readyz],
+                        *qualify_routers([guard], [control_guard]),
+                        *OPEN_HANDLERS, *QUALIFY_OPEN, healthz, readyz],
         lifespan=[lifespan],
         state=State({"gateway": gateway}),
         dependencies={"gw": Provide(provide_gateway, sync_to_thread=False),

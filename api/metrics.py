@@ -204,6 +204,39 @@ class _CatalogCollector(Collector):
                     learned, external, engine_running, engine_waiting, kv_usage, paused, queued, oldest)
         yield from self._affinity()
         yield from self._tenants()
+        yield from self._live()
+
+    def _live(self) -> Iterator[Metric]:
+        """The live figures from traffic (dispatcher/live.py), per provider x model and window;
+        a figure with nothing to say (no answered request in the window) is left out, not 0."""
+        pair = ["provider", "model", "window"]
+        requests = GaugeMetricFamily("iop_live_requests", "Callers' requests that ended in the window", labels=pair)
+        errors = GaugeMetricFamily("iop_live_errors", "Of them, those that failed, by kind", labels=[*pair, "kind"])
+        ttft = GaugeMetricFamily("iop_live_ttft_seconds", "Time to first output of the answered streams, "
+                                 "as the worker measured it", labels=[*pair, "quantile"])
+        e2e = GaugeMetricFamily("iop_live_e2e_seconds", "Time from the worker's call to its answer's end",
+                                labels=[*pair, "quantile"])
+        rate = GaugeMetricFamily("iop_live_tokens_per_second", "The median output tokens per second of a request",
+                                 labels=pair)
+        uptime = GaugeMetricFamily("iop_provider_uptime", "The share of the window the provider was healthy",
+                                   labels=["provider", "window"])
+        for p in self.catalog.providers:
+            for window, view in p.live.items():
+                if view.uptime is not None:
+                    uptime.add_metric([p.id, window], view.uptime)
+            for model, windows in p.live_by_model.items():
+                for window, view in windows.items():
+                    labels = [p.id, model, window]
+                    requests.add_metric(labels, view.requests)
+                    for kind, n in view.errors.items():
+                        errors.add_metric([*labels, kind], n)
+                    for family, pct in ((ttft, view.ttft_ms), (e2e, view.e2e_ms)):
+                        if pct is not None:
+                            family.add_metric([*labels, "0.5"], pct.p50 / 1000)
+                            family.add_metric([*labels, "0.9"], pct.p90 / 1000)
+                    if view.tokens_per_s is not None:
+                        rate.add_metric(labels, view.tokens_per_s)
+        yield from (requests, errors, ttft, e2e, rate, uptime)
 
     def _affinity(self) -> Iterator[Metric]:
         """Cache-aware dispatch, per model group that has it (counters kept in Redis: every

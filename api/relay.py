@@ -23,6 +23,7 @@ from api.exchange import Exchange
 from api.gateway import Gateway
 from api.intake import Intake, fallbacks, take, take_stored
 from api.metrics import RequestClock
+from api.qualify import PROVIDER_HEADER, admit, qualification_of
 from api.runtime import Runtime
 from api.waiting import ClientGone, JobWait
 from dispatcher import tracing
@@ -90,7 +91,9 @@ async def _relay(
     response_id: str | None, rest: str,
 ) -> Response[Any]:
     clock = exchange.clock
-    tenant = rt.callers.tenant_of(request.headers)
+    # A qualification run's request (iop qualify) comes with the admin key, not a caller's.
+    run_id = await qualification_of(request, gw, rt)
+    tenant = rt.callers.tenant_of(request.headers) if run_id is None else rt.tenants.default
     clock.tenant = tenant.name
     trace = clock.trace
     traceparent = "" if trace is None else trace.traceparent
@@ -98,6 +101,10 @@ async def _relay(
         intake = await take(request, rt, endpoint, tenant, traceparent)
     else:
         intake = await take_stored(request, rt, response_id, rest, tenant, traceparent)
+    if run_id is not None:
+        intake = await admit(gw, rt, run_id, intake, request.headers.get(PROVIDER_HEADER, ""))
+        tenant = intake.tenant
+        clock.tenant = tenant.name
     model_id, stream = intake.model.id, intake.stream
     clock.model = model_id
     if intake.fell_back_from is not None:

@@ -27,7 +27,9 @@ from dispatcher import keys, wire
 from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
+from dispatcher.live import LiveView, read_live
 from dispatcher.plans import Plans
+from dispatcher.telemetry import HeldModel, Telemetry, read_nodes
 from dispatcher.tenants import Tenant, Tenants, bands, flow_control
 
 
@@ -82,6 +84,10 @@ class ProviderView(msgspec.Struct):
     rate_limited: RateLimitView | None = None
     # The median time of its recent calls, ms (what deadlines are predicted from).
     service_ms: float | None = None
+    # Live figures from traffic (dispatcher/live.py), per window ('5m', '1h', '24h'): over
+    # every model it serves, and per model.
+    live: dict[str, LiveView] = {}
+    live_by_model: dict[str, dict[str, LiveView]] = {}
 
 
 class EjectionView(msgspec.Struct):
@@ -193,6 +199,10 @@ class TenantView(msgspec.Struct):
 class NodeView(msgspec.Struct):
     id: str
     providers: list[str]
+    # Its live workers' ids, and the freshest report of its host and devices (None: no worker
+    # reports; dispatcher/telemetry.py), with the models its runtimes hold.
+    workers: list[str] = []
+    telemetry: Telemetry | None = None
 
 
 class Catalog(msgspec.Struct):
@@ -386,6 +396,11 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         views[prov.id] = _provider_view(node_id, prov, fields, now, groups_of.get(prov.id, []), queued,
                                         histories.get(prov.id, []))
 
+    figures = await read_live(redis, [(pid, m.id) for m in config.models for pid in m.providers if pid in views],
+                              {prov.id: h for (_, prov), h in zip(providers, hashes, strict=True)}, now)
+    for pid, live in figures.items():
+        views[pid].live, views[pid].live_by_model = live.total, live.by_model
+
     models = []
     for model in config.models:
         cands = [
@@ -404,6 +419,12 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         models.append(ModelView(model.id, model.display_name or model.id, cands, queued[model.id],
                                 oldest.get(model.id), free, uses, affinity_views.get(model.id)))
     nodes = [NodeView(n.id, [p.id for p in n.providers]) for n in config.nodes]
+    reports = await read_nodes(redis, [n.id for n in nodes])
+    for node in nodes:
+        found = reports.get(node.id, [])
+        node.workers = [w.worker for w in found]
+        node.telemetry = with_engines(found[0].telemetry, [views[p] for p in node.providers if p in views]) \
+            if found else None
     tenant_views = [
         TenantView(
             name=t.name,
@@ -421,6 +442,15 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     tenant_views = [v for v in tenant_views
                     if v.name != DEFAULT_TENANT or default_configured or v.queued or v.in_flight]
     return Catalog(now, list(views.values()), models, nodes, tenant_views)
+
+
+def with_engines(t: Telemetry, providers: list[ProviderView]) -> Telemetry:
+    """A node's report with each provider's KV cache use, from its engine's last reading."""
+    held = list(t.models)
+    for p in providers:
+        if p.engine is not None and p.engine.kv_usage is not None:
+            held.append(HeldModel(p.id, ", ".join(p.models), None, p.engine.kv_usage))
+    return msgspec.structs.replace(t, models=held)
 
 
 def _slots_now(capacity: int, view: ProviderView) -> int:

@@ -61,6 +61,15 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
 |                          |        | on a new server, expiries are renewed before anyone is judged |
+| ``{iop}:live:<model>|<p>``| hash  | live figures of provider p serving a model: ``<window>:<slot>`` |
+|                          |        | -> that bucket (msgpack, wire.LiveBucket; lua/finish.lua)     |
+|                          |        | (uptime lives in the provider hash: ``up:<window>:<slot>``)   |
+| ``{iop}:qual:<model>``   | list   | a model's qualification reports, newest first (JSON,          |
+|                          |        | dispatcher/qualifications.py; the last 20 kept)               |
+| ``{iop}:qual:run:<id>``  | hash   | a qualification run under way: model, expires_ms, max_tokens,  |
+|                          |        | asked, cancelled (api/qualify.py); expires after its time     |
+| ``{iop}:tel:<node>``     | hash   | device telemetry: worker id -> its last report (JSON,         |
+|                          |        | wire.Telemetry; workers/telemetry.py), TTL 3 heartbeats       |
 
 Channel ``{iop}:cancel:<node>`` tells a node's workers to abort a running job.
 
@@ -107,6 +116,27 @@ CANCEL_CHANNEL_PREFIX = f"{PREFIX}:cancel:"
 
 def provider(provider_id: str) -> str:
     return f"{PREFIX}:p:{provider_id}"
+
+
+def live(provider_id: str, model_id: str) -> str:
+    """The live figures of a provider serving a model (``lua/lib/live_figures.lua``); a model
+    id has no ``|``, so the pair is unambiguous."""
+    return f"{PREFIX}:live:{model_id}|{provider_id}"
+
+
+def qualifications(model_id: str) -> str:
+    """A model's qualification reports, newest first (``dispatcher/qualifications.py``)."""
+    return f"{PREFIX}:qual:{model_id}"
+
+
+def qualification_run(run_id: str) -> str:
+    """A qualification run under way: its model, bounds and tokens asked (``api/qualify.py``)."""
+    return f"{PREFIX}:qual:run:{run_id}"
+
+
+def telemetry(node_id: str) -> str:
+    """What each live worker of a node last said of its host and devices (``workers/telemetry.py``)."""
+    return f"{PREFIX}:tel:{node_id}"
 
 
 def capacity_history(provider_id: str) -> str:

@@ -14,8 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from dispatcher.config import DEFAULT_TENANT, Config, KeyLimits
+from dispatcher.config import DEFAULT_TENANT, QUALIFY_TENANT, Config, KeyLimits
 from dispatcher.exceptions import InvalidRequest
+
+# QUALIFY_TENANT: the tenant a qualification's requests run as (``iop qualify``, api/qualify.py),
+# in the lowest band, at most the config's share of a model's slots; its jobs are kept out of
+# the live figures and counted apart in /metrics. Config validation keeps the name from keys.
+
+
+def is_qualification(job_id: str) -> bool:
+    """Is a job a qualification's: its id names its tenant (flow control is on with one)."""
+    return job_id.startswith(QUALIFY_TENANT + "~")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +46,16 @@ class Tenant:
 
 
 def bands(config: Config) -> list[str]:
-    return list(config.api.priorities) or [config.api.default_priority]
+    """The priority bands, first first; with ``qualify`` configured, one more below them all,
+    the qualification runs' own (``QUALIFY_TENANT``): their jobs run only on slots no caller's
+    job waits for."""
+    named = list(config.api.priorities) or [config.api.default_priority]
+    return [*named, QUALIFY_TENANT] if config.qualify is not None else named
 
 
 def flow_control(config: Config) -> bool:
+    if config.qualify is not None:
+        return True
     api = config.api
     tenants = {k.name for k in api.keys} | ({DEFAULT_TENANT} if api.api_keys_env or not api.keys else set())
     limited = any(k.max_queued or k.max_in_flight for k in api.keys)
@@ -69,6 +84,11 @@ class Tenants:
                 key.limits if key.limits and (key.limits.requests_per_minute or key.limits.tokens_per_minute
                                               or key.limits.tokens_per_day) else None,
             )
+        self.qualify: Tenant | None = None
+        if config.qualify is not None:
+            # Its max_in_flight is a run's (api/qualify.py sets it for the run's model); 1
+            # until a run starts, and again whenever the API publishes the config's limits.
+            self.qualify = Tenant(QUALIFY_TENANT, len(self.bands) - 1, max_in_flight=1)
 
     def band_for(self, tenant: Tenant, headers: Mapping[str, str]) -> int:
         """The band of a request: its tenant's, or a lower one it asks for (x-iop-priority)."""
@@ -81,4 +101,7 @@ class Tenants:
 
     def limits(self) -> dict[str, int]:
         """Tenant -> max_in_flight, as dispatch reads them from Redis."""
-        return {t.name: t.max_in_flight for t in self.by_name.values() if t.max_in_flight}
+        limits = {t.name: t.max_in_flight for t in self.by_name.values() if t.max_in_flight}
+        if self.qualify is not None:
+            limits[QUALIFY_TENANT] = 1
+        return limits

@@ -207,3 +207,44 @@ def ejection_state(fields: dict[str, str]) -> EjectionState:
         count=_int(fields.get("ej_count")), reason=fields.get("ej_reason", ""), kind=fields.get("ej_kind", ""),
         streak=_int(fields.get("c5xx")), excused=_int(fields.get("excused_5xx")),
         ejections={kind: _int(fields.get(f"ej_n:{kind}")) for kind in EJECTION_KINDS})
+
+
+# --- live figures (``{iop}:live:<model>|<provider>``, lua/lib/live_figures.lua) ---------------
+
+
+class LiveBucket(msgspec.Struct, frozen=True):
+    """One time bucket of a provider x model's live figures, as ``lua/lib/live_figures.lua``
+    packs it (msgpack): its number (server ms // the window's bucket length), the requests that
+    ended in it, their errors by kind, and histograms (log bin -> count, ``dispatcher/live.py``
+    ``value_of``) of the answered ones' TTFT ms, e2e ms and output tokens/s. An empty table is
+    left out by the script (cmsgpack would pack it as an array)."""
+
+    at: int
+    requests: int = 0
+    errors: dict[str, int] = {}
+    ttft: dict[int, int] = {}
+    e2e: dict[int, int] = {}
+    tps: dict[int, int] = {}
+
+
+def live_bucket(raw: bytes) -> LiveBucket | None:
+    try:
+        return msgspec.msgpack.decode(raw, type=LiveBucket)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class UptimeBucket(msgspec.Struct, frozen=True):
+    """A provider's uptime bucket, ``up:<window>:<slot>`` of its hash: '<number>|<up ms>|<seen
+    ms>' (``lua/lib/uptime.lua``)."""
+
+    at: int
+    up_ms: int
+    seen_ms: int
+
+
+def uptime_bucket(raw: str | None) -> UptimeBucket | None:
+    parts = (raw or "").split("|")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    return UptimeBucket(int(parts[0]), int(parts[1]), int(parts[2]))

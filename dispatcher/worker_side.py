@@ -11,6 +11,7 @@ from redis.exceptions import ResponseError
 from dispatcher import keys, wire
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
+from dispatcher.live import LiveSample
 from dispatcher.script_calls import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
 
 
@@ -35,16 +36,17 @@ class WorkerSide:
 
     async def finish(
         self, job: Assignment, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
-        prompt: int = 0, cached: int = 0, verdict: str = "",
+        prompt: int = 0, cached: int = 0, verdict: str = "", live: LiveSample | None = None,
     ) -> FinishOutcome:
         """Final event + release + ack. ``requeue`` (the worker gives the job up unfinished)
         and ``retry`` (its provider failed it before any output) dispatch it again if none
         of its output reached the client, else its client gets ``event``. ``tokens``: the
         completion tokens the job generated (its provider's tokens per second); ``prompt``,
         ``cached``: its prompt tokens, and those served from the provider's cache; ``verdict``:
-        what the call says of its provider (``workers/job_run.py`` verdict_of)."""
+        what the call says of its provider (``workers/job_run.py`` verdict_of); ``live``: the
+        call in the live figures (None: not a caller's call to count)."""
         return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens, prompt=prompt,
-                                       cached=cached, verdict=verdict)
+                                       cached=cached, verdict=verdict, live=live)
 
     async def publish_capacity(self, provider: str, report: wire.CapacityReport) -> int:
         """What this worker knows of a provider's load (workers/capacity_control.py)."""

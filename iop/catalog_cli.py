@@ -84,6 +84,64 @@ def load_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ms_text(ms: float) -> str:
+    return f"{ms / 1000:.2f}s" if ms >= 1000 else f"{ms:.0f}ms"
+
+
+def live_text(window: str, v: dict[str, Any]) -> str:
+    """One window of a provider's live figures: ``5m: 120 req, 2 err (5xx 2), ttft p50 80ms p90
+    210ms, e2e p50 1.20s p90 2.31s, 41 tok/s, up 99.8%``; a figure it has nothing for is left out."""
+    parts = [f"{window}: {v['requests']} req"]
+    errors = v.get("errors") or {}
+    if errors:
+        parts.append(f"{sum(errors.values())} err (" + ", ".join(f"{k} {n}" for k, n in errors.items()) + ")")
+    for label, field in (("ttft", "ttft_ms"), ("e2e", "e2e_ms")):
+        pct = v.get(field)
+        if pct:
+            parts.append(f"{label} p50 {ms_text(pct['p50'])} p90 {ms_text(pct['p90'])}")
+    if v.get("tokens_per_s") is not None:
+        parts.append(f"{v['tokens_per_s']:.0f} tok/s")
+    if v.get("uptime") is not None:
+        parts.append(f"up {v['uptime'] * 100:.1f}%")
+    return ", ".join(parts)
+
+
+def live_lines(p: dict[str, Any]) -> list[str]:
+    """A provider's live figures (absent from an older iop's catalog): each window that has
+    seen a request or a heartbeat."""
+    windows = p.get("live") or {}
+    shown = [live_text(w, v) for w, v in windows.items() if v.get("requests") or v.get("uptime") is not None]
+    return ["live " + "; ".join(shown)] if shown else []
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def telemetry_text(node: dict[str, Any]) -> str:
+    """A node's host and devices, as its freshest worker reported them; '-' where nothing did."""
+    t = node.get("telemetry")
+    if not t:
+        return "telemetry: no worker reports"
+    cpu, mem = t.get("cpu"), t.get("memory")
+    cpu_text = "-" if not cpu or cpu.get("utilization") is None else f"{cpu['utilization']:.0%}"
+    parts = [f"cpu {cpu_text}" + (f" of {cpu['cores']} cores" if cpu else ""),
+             f"memory {_gib(mem['used_bytes'])}/{_gib(mem['total_bytes'])} GiB" if mem else "memory -"]
+    gpus = t.get("gpus")
+    if gpus is None:
+        parts.append(f"gpus - ({t.get('gpus_reason') or 'not read'})")
+    elif not gpus:
+        parts.append("gpus none")
+    else:
+        parts += [f"gpu{g['index']} {'-' if g.get('utilization') is None else format(g['utilization'], '.0%')} "
+                  f"{_gib(g.get('memory_used_bytes'))}/{_gib(g.get('memory_total_bytes'))} GiB" for g in gpus]
+    for m in t.get("models") or []:
+        held = [f"{_gib(m['vram_bytes'])} GiB VRAM"] if m.get("vram_bytes") is not None else []
+        held += [f"KV {m['kv_usage']:.0%}"] if m.get("kv_usage") is not None else []
+        parts.append(f"{m['provider']} {m['model']}: {', '.join(held) or '-'}")
+    return "telemetry: " + ", ".join(parts)
+
+
 def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
     text = ", ".join(SHORT_ENDPOINTS.get(e, e) for e in endpoints) or "none"
     return textwrap.wrap(f"endpoints: {text}", WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
@@ -120,6 +178,9 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if node_id != current:
             current = node_id
             lines.append(paint(f"node {node_id}", BOLD))
+            node_doc: dict[str, Any] = next((n for n in doc["nodes"] if n["id"] == node_id), {})
+            if "telemetry" in node_doc:  # an older iop's catalog has none
+                lines.append("  " + paint(telemetry_text(node_doc), DIM))
             lines.append("  " + "  ".join(paint(h.ljust(w), DIM) for h, w in zip(headers, widths, strict=True)))
         padded = [c.ljust(w) for c, w in zip(cells, widths, strict=True)]
         lines.append("  " + "  ".join(paint(c, code) if code else c
@@ -130,6 +191,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if p.get("evidence"):  # absent from an older iop's catalog, None with nothing held against it
             lines.append("    " + paint(evidence_text(p["evidence"]), DIM))
         lines.extend("    " + paint(line, DIM) for line in load_lines(p))
+        lines.extend("    " + paint(line, DIM) for line in live_lines(p))
         if "endpoints" in p:  # an older iop's catalog has none
             lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))
     tenants = doc.get("tenants") or []  # an older iop's catalog has none

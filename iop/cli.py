@@ -118,6 +118,8 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         token_interval_ms=args.token_interval_ms,
         models=[m for m in args.models.split(",") if m] if args.models else ["fake-model"],
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+        parallel=args.parallel,
+        word=args.word,
     )
     run(args.host, args.port, options)
     return 0
@@ -127,6 +129,12 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     from iop.catalog_cli import main as catalog_main
 
     return catalog_main(args.url, args.json, args.key_env, args.colour)
+
+
+def cmd_qualify(args: argparse.Namespace) -> int:
+    from iop.qualify.run import main as qualify_main
+
+    return qualify_main(args)
 
 
 def cmd_provider(args: argparse.Namespace) -> int:
@@ -223,6 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
                          help="colour the health column (default: when printing to a terminal)")
     catalog.set_defaults(func=cmd_catalog)
 
+    qualify = sub.add_parser("qualify", help="benchmark, lifecycle-check and compare a model's providers "
+                             "through a running iop (docs/QUALIFY.md)")
+    qualify.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+    qualify.add_argument("--model", required=True, help="the model id (models[].id)")
+    qualify.add_argument("--provider", action="append", help="only this provider (repeatable; default: all)")
+    qualify.add_argument("--json", action="store_true", help="print the report as stored (GET /qualifications/M)")
+    qualify.add_argument("--markdown", action="store_true", help="print the report as Markdown")
+    qualify.add_argument("--prompts", help="a JSON file of more agreement prompts: [{id, messages}, ...]")
+    qualify.add_argument("--max-tokens", type=int, default=64, help="completion tokens per benchmark request")
+    qualify.add_argument("--requests", type=int, default=8,
+                         help="benchmark requests per concurrency step (at least twice the concurrency)")
+    qualify.add_argument("--max-concurrency", type=int, help="stop the sweep here (it stops at the run's share anyway)")
+    qualify.add_argument("--lifecycle-delete", action="store_true",
+                         help="check delete too, with an empty call that deletes nothing")
+    qualify.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
+    qualify.set_defaults(func=cmd_qualify)
+
     provider = sub.add_parser("provider", help="drain or resume a provider of a running iop (admin endpoints)")
     provider_sub = provider.add_subparsers(dest="provider_command", required=True)
     for action, text in (("drain", "stop new dispatch to the provider, fleet-wide; its running jobs finish"),
@@ -252,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--token-interval-ms", type=int, default=0, help="pause between stream chunks")
     fake.add_argument("--models", default="", help="comma-separated model names it reports")
     fake.add_argument("--api-key-env", help="env var holding the key it requires")
+    fake.add_argument("--parallel", type=int, default=0, help="answers generated at once, the rest wait (0: no limit)")
+    fake.add_argument("--word", default="tok", help="the stem of its words (another stem: another model's answers)")
     fake.set_defaults(func=cmd_fake_provider)
     return parser
 

@@ -21,8 +21,10 @@ from dispatcher.envelope import JSON, RequestEnvelope, unwrap
 from dispatcher.events import Assignment, Failed
 from dispatcher.exceptions import ProviderError, ProviderRejected, ProviderTimeout, ProviderUnreachable, WorkerLost
 from dispatcher.jsonbody import with_model, with_model_asking_usage
+from dispatcher.live import LiveSample, error_kind
 from dispatcher.multipart import with_field
 from dispatcher.script_calls import FinishMode, FinishOutcome
+from dispatcher.tenants import is_qualification
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import ProviderCall, Sink
 from workers.capacity import CallSample
@@ -82,7 +84,7 @@ class JobRunner:
                 elif running.retry:
                     mode = "retry"
                 try:
-                    await self.finish(running, sink, final, mode=mode, verdict=running.verdict)
+                    await self.finish(running, sink, final, mode=mode, verdict=running.verdict, live=running.live)
                 finally:
                     self._runs.end(running)
                     if running.provider_failed:
@@ -97,6 +99,7 @@ class JobRunner:
                 ProviderUnreachable(f"node {self._node_id} cannot run {job.endpoint} on provider {job.provider}"),
                 sink.meta,
             )
+        started = time.monotonic()
         with running.scope:
             try:
                 # No local limiter: the slot accounting in Redis already bounds every worker
@@ -106,12 +109,12 @@ class JobRunner:
                 if job.endpoint == RESPONSES:
                     out = stored_response_sink(sink, request, lambda rid: self._side.remember_response(rid, job),
                                                self._side.forget_response)
-                started = time.monotonic()
                 with tracing.provider_span(job, self._node_id, request.traceparent, sink):
                     await adapter.call(provider_call(job, request, adapter.provider.asks_stream_usage), out)
                 self._providers.answered(job.provider)
                 running.verdict = ANSWERED
                 final = sink.final_event()
+                running.live = live_sample(job, started, sink, final)
                 if self._capacity is not None:
                     self._capacity.called(job.provider, timed(started, sink, final), sink_status(sink, final),
                                           sink.headers if not isinstance(final, events.Done) else final.headers)
@@ -119,6 +122,7 @@ class JobRunner:
             except JobAborted as exc:
                 running.abort_reason = running.abort_reason or exc.reason
             except ProviderError as exc:
+                running.live = failed_sample(job, started, exc)
                 if self._capacity is not None and isinstance(exc, ProviderRejected):
                     self._capacity.called(job.provider, None, exc.status, exc.headers)
                 if fails_the_provider(exc):
@@ -142,12 +146,12 @@ class JobRunner:
 
     async def finish(
         self, running: Running, sink: RedisSink | None, final: events.Event | None, mode: FinishMode = "done",
-        verdict: str = "",
+        verdict: str = "", live: LiveSample | None = None,
     ) -> None:
         """Write what the sink holds, then the final event with the release; through a Redis
         outage of up to ``OUTAGE_LEASES`` leases (the job stays in ``runs`` meanwhile, so
         its lease is renewed whenever Redis answers). ``verdict``: what the call said of its
-        provider (:func:`verdict_of`)."""
+        provider (:func:`verdict_of`); ``live``: the call in the live figures."""
         job = running.job
         data = events.encode(final) if final is not None else None
         backoff = Backoff(0.05, 0.5)
@@ -158,7 +162,8 @@ class JobRunner:
                     await sink.flush()
                 usage = final_usage(final)
                 outcome = await self._side.finish(job, data, mode=mode, tokens=usage.completion,
-                                                  prompt=usage.prompt, cached=usage.cached, verdict=verdict)
+                                                  prompt=usage.prompt, cached=usage.cached, verdict=verdict,
+                                                  live=live)
                 if outcome not in (FinishOutcome.RELEASED, FinishOutcome.STALE):
                     why = "given up at shutdown" if mode == "requeue" else f"provider {job.provider} failed it"
                     log.info("job %s %s: %s", job.job, why, outcome, extra=job.log_context())
@@ -207,6 +212,26 @@ def timed(started: float, sink: RedisSink, final: events.Event) -> CallSample | 
     ttft = sink.first_output_at - started if sink.first_output_at is not None and not isinstance(final, events.Done) \
         else None
     return CallSample(e2e_s=ended - started, ttft_s=ttft, tokens=final_usage(final).completion)
+
+
+def live_sample(job: Assignment, started: float, sink: RedisSink, final: events.Event) -> LiveSample | None:
+    """An answered call as the live figures count it (dispatcher/live.py): a caller's only, so
+    that a qualification's load (dispatcher/tenants.py QUALIFY_TENANT) never reads as traffic."""
+    if is_qualification(job.job):
+        return None
+    ended = time.monotonic()
+    ttft = None
+    if sink.first_output_at is not None and not isinstance(final, events.Done):
+        ttft = (sink.first_output_at - started) * 1000
+    return LiveSample((ended - started) * 1000, ttft, error_kind(sink_status(sink, final)))
+
+
+def failed_sample(job: Assignment, started: float, exc: ProviderError) -> LiveSample | None:
+    if is_qualification(job.job):
+        return None
+    kind = error_kind(exc.status if isinstance(exc, ProviderRejected) else 0,
+                      timeout=isinstance(exc, ProviderTimeout), unreachable=isinstance(exc, ProviderUnreachable))
+    return LiveSample((time.monotonic() - started) * 1000, None, kind or "other")
 
 
 def sink_status(sink: RedisSink, final: events.Event) -> int:

@@ -21,6 +21,7 @@ import anyio
 from redis.exceptions import RedisError
 
 from dispatcher.events import Assignment
+from dispatcher.live import LiveSample
 from dispatcher.worker_side import WorkerSide
 
 log = logging.getLogger("iop.worker")
@@ -46,6 +47,9 @@ class Running:
     # What the call says of its provider for the evidence finish keeps (``verdict_of``):
     # "ok" it answered (whatever the status under 500), "<status>" a 5xx, "" nothing.
     verdict: str = ""
+    # The call in its provider x model's live figures (None: not counted: aborted, handed
+    # back, or a qualification's).
+    live: LiveSample | None = None
 
     @property
     def key(self) -> RunKey:

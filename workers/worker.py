@@ -53,6 +53,7 @@ from workers.leases import SHUTDOWN, Leases, Runs
 from workers.node_stream import READ_BATCH, NodeStream, wait_for_redis
 from workers.provider_state import ProviderState
 from workers.runtime import NodeRuntime, ProviderAdapters
+from workers.telemetry import TelemetryLoop
 
 __all__ = ["READ_BATCH", "Worker"]  # READ_BATCH: bench/redis_capacity.py reads it here
 
@@ -87,6 +88,8 @@ class Worker:
                                  self.runs, run=self.jobs.run, hand_back=self.jobs.hand_back)
         self.leases = Leases(self.runs, self.side, dispatch.lease_ms, after_renewal=self.stream.settle_ghosts)
         self.cancels = CancelListener(self.redis, node_id, self.runs, renew_now=self.leases.renew_now)
+        self.telemetry = TelemetryLoop(self.redis, lambda: self.runtime.node, self.worker_id,
+                                       dispatch.heartbeat_interval_ms / 1000)
 
     # --- the process ------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class Worker:
                 tg.start_soon(self.cancels.run)
                 tg.start_soon(self.leases.run)
                 tg.start_soon(self.reaper.run_forever)
+                tg.start_soon(self.telemetry.run)
                 async with anyio.create_task_group() as jobs:
                     await self.stream.consume(jobs)
                     await self._shut_down(jobs)

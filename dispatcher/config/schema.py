@@ -72,6 +72,8 @@ class RedisConfig(_Base, frozen=True):
 
 
 DEFAULT_TENANT = "default"
+# The tenant, and the band, of qualification runs (``iop qualify``; dispatcher/tenants.py).
+QUALIFY_TENANT = "iop-qualify"
 
 
 class KeyLimits(_Base, frozen=True):
@@ -196,6 +198,22 @@ class DispatchConfig(_Base, frozen=True):
         that passed meanwhile are not held against their owners (``lua/reap_round.lua``).
         Short enough that no live lease or replica expires inside it."""
         return min(self.lease_ms // 3, self.replica_ttl_ms // 2)
+
+
+class QualifyConfig(_Base, frozen=True):
+    """Qualification runs (``iop qualify``, docs/QUALIFY.md): present, they are allowed, as the
+    tenant ``iop-qualify`` in a band of its own below every other (which turns flow control on);
+    absent, iop refuses them and dispatch is as it was."""
+
+    # The most of a model's slots (the sum of its providers' capacities) a run may hold at
+    # once: its concurrency sweep stops there.
+    share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25
+    # How long a run may last, and how many completion tokens it may ask for, before iop
+    # refuses its requests.
+    max_seconds: Annotated[int, POSITIVE] = 900
+    max_tokens: Annotated[int, POSITIVE] = 200_000
+    # Reports kept per model (the newest first; older ones are dropped).
+    keep_reports: Annotated[int, POSITIVE] = 20
 
 
 class EjectionConfig(_Base, frozen=True):
@@ -387,6 +405,7 @@ class Config(_Base, frozen=True):
     demo: DemoConfig = DemoConfig()
     tracing: Annotated[TracingConfig, RESTART] = TracingConfig()
     ejection: EjectionConfig = EjectionConfig()
+    qualify: QualifyConfig | None = None
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)

@@ -19,6 +19,7 @@ from dispatcher.config.schema import (
     CATEGORIES,
     HTTP_TYPES,
     PROVIDER_TYPES,
+    QUALIFY_TENANT,
     Config,
     ProviderConfig,
     RedisConfig,
@@ -177,8 +178,13 @@ def _tenant_problems(config: Config, known: Callable[..., bool], all_models_know
                             f"{api.default_priority!r} is not one of api.priorities {api.priorities}")
     for path, name in _duplicates((f"$.api.keys[{i}].name", k.name) for i, k in enumerate(api.keys)):
         yield ConfigProblem(path, f"duplicate key name {name!r}")
+    for i, band in enumerate(api.priorities):
+        if band == QUALIFY_TENANT:
+            yield ConfigProblem(f"$.api.priorities[{i}]", f"{band!r} is the qualification runs' own band")
     for ki, key in enumerate(api.keys):
         path = f"$.api.keys[{ki}]"
+        if key.name == QUALIFY_TENANT:
+            yield ConfigProblem(f"{path}.name", f"{key.name!r} is the qualification runs' own tenant (iop qualify)")
         if not _TENANT_NAME.fullmatch(key.name):
             why = next((f"{sep!r} is not allowed in a tenant name: {reason}; "
                         for sep, reason in _SEPARATORS["tenant name"].items() if sep in key.name), "")

@@ -64,6 +64,12 @@ class FakeOptions(msgspec.Struct, kw_only=True):
     close_idle_keepalive: bool = False
     """A connection that answered a pipeline request is closed, unanswered, when the next request
     arrives on it: the client's pooled connection is dead on next use ("Server disconnected")."""
+    parallel: int = 0
+    """At most this many pipeline answers at once (a server's slots); the others wait for one
+    (0: no limit). ``delay_ms`` and the stream's pauses run inside the slot."""
+    word: str = "tok"
+    """The stem of the generated words, ``<word>0 <word>1 ...``: another stem is another word list,
+    a fake that serves another model under the same id."""
 
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -85,6 +91,8 @@ class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_no_done: bool | msgspec.UnsetType = msgspec.UNSET
     empty_200: bool | msgspec.UnsetType = msgspec.UNSET
     close_idle_keepalive: bool | msgspec.UnsetType = msgspec.UNSET
+    parallel: _NonNegative | msgspec.UnsetType = msgspec.UNSET
+    word: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class _Recorded(msgspec.Struct, omit_defaults=True):
@@ -339,8 +347,8 @@ class _Words(msgspec.Struct, frozen=True):
 
 
 @functools.lru_cache(maxsize=64)
-def _words(n: int) -> _Words:
-    words = [f"tok{i}" for i in range(n)]
+def _words(n: int, stem: str = "tok") -> _Words:
+    words = [f"{stem}{i}" for i in range(n)]
     pieces = tuple(msgspec.json.encode(w + " " if i < n - 1 else w) for i, w in enumerate(words))
     return _Words(
         content=msgspec.json.encode(" ".join(words)),

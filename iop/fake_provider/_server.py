@@ -164,6 +164,7 @@ class _FakeProvider:
         self.hooks = _Hooks()
         self.executions: deque[_Execution] = deque(maxlen=_MAX_EXECUTIONS)
         self.closing = False
+        self._parallel: tuple[int, asyncio.Semaphore] | None = None
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._request_id_prefix = _request_id_prefix()
@@ -346,33 +347,50 @@ class _FakeProvider:
 
         if options.hang and not await self._hang(request):
             return call.fail(503, "fake provider is shutting down", "server_error")
-        if delay_ms > 0:
-            await self._sleep(request, delay_ms / 1000)
-        if status is not None:
-            type_ = "server_error" if status >= 500 else "invalid_request_error"
-            return call.fail(status, f"fake provider failure (status {status})", type_)
-        if options.fail_with is not None:
-            return call.canned(options.fail_with)
-        if options.garbage:
-            if stream:
-                return web.Response(body=_GARBAGE_STREAM, headers=call.headers(_SSE_V1))
-            return web.Response(body=_GARBAGE_JSON, headers=call.headers())
-        if options.empty_200:
-            return web.Response(headers=call.headers(_SSE_V1 if stream else _JSON_V1))
-        if problem is not None:
-            return call.fail(400, problem)
-        if kind == _BODY_JSON and not is_object:
-            return call.fail(400, "The request body must be a JSON object.")
-        if model is None and endpoint.needs_model:
-            if endpoint.anthropic:
-                return call.fail(400, "model: Field required")
-            return call.fail(400, "you must provide a model parameter", param="model")
-        call.body = body
-        call.model = model or ""
-        call.stream = stream
-        call.tokens = n
-        call.interval_ms = interval_ms
-        return await endpoint.answer(call)
+        # At most `parallel` answers generate at once (a server's slots); the rest wait here.
+        slots = self._slots()
+        if slots is not None:
+            await slots.acquire()
+        try:
+            if delay_ms > 0:
+                await self._sleep(request, delay_ms / 1000)
+            if status is not None:
+                type_ = "server_error" if status >= 500 else "invalid_request_error"
+                return call.fail(status, f"fake provider failure (status {status})", type_)
+            if options.fail_with is not None:
+                return call.canned(options.fail_with)
+            if options.garbage:
+                if stream:
+                    return web.Response(body=_GARBAGE_STREAM, headers=call.headers(_SSE_V1))
+                return web.Response(body=_GARBAGE_JSON, headers=call.headers())
+            if options.empty_200:
+                return web.Response(headers=call.headers(_SSE_V1 if stream else _JSON_V1))
+            if problem is not None:
+                return call.fail(400, problem)
+            if kind == _BODY_JSON and not is_object:
+                return call.fail(400, "The request body must be a JSON object.")
+            if model is None and endpoint.needs_model:
+                if endpoint.anthropic:
+                    return call.fail(400, "model: Field required")
+                return call.fail(400, "you must provide a model parameter", param="model")
+            call.body = body
+            call.model = model or ""
+            call.stream = stream
+            call.tokens = n
+            call.interval_ms = interval_ms
+            return await endpoint.answer(call)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    def _slots(self) -> asyncio.Semaphore | None:
+        """The semaphore of ``parallel`` slots (made anew when the option changes); None: unlimited."""
+        n = self.options.parallel
+        if n <= 0:
+            return None
+        if self._parallel is None or self._parallel[0] != n:
+            self._parallel = (n, asyncio.Semaphore(n))
+        return self._parallel[1]
 
     async def _sleep(self, request: web.Request, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -405,7 +423,7 @@ class _FakeProvider:
         model_json = msgspec.json.encode(call.model)
         prompt_tokens = max(1, len(call.raw) // 4)
         n = call.tokens
-        words = _words(n)
+        words = _words(n, self.options.word)
         usage = _usage(prompt_tokens, n)
         shape = _SHAPES[kind]
         # '{"id":"chatcmpl-fake1","object":"chat.completion","created":1700000000,"model":"m",...,"choices":'

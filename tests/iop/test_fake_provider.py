@@ -621,6 +621,33 @@ async def test_gets_are_not_counted(fake: Fake) -> None:
     assert (await fake.stats())["total"] == 0
 
 
+# --------------------------------------------------------------------------- parallel slots, word stem
+
+
+async def test_another_word_stem_is_another_word_list(fake: Fake) -> None:
+    await post(fake, "/_fake/control", {"word": "alt", "tokens": 3})
+    status, answer = await post(fake, "/v1/chat/completions", {"model": "m"})
+    assert status == 200
+    assert answer["choices"][0]["message"]["content"] == "alt0 alt1 alt2"
+
+
+async def test_parallel_slots_make_the_others_wait(fake: Fake) -> None:
+    await post(fake, "/_fake/control", {"parallel": 2, "delay_ms": 200, "tokens": 1})
+    started = asyncio.get_running_loop().time()
+    done: list[float] = []
+
+    async def one() -> None:
+        status, _ = await post(fake, "/v1/chat/completions", {"model": "m"})
+        assert status == 200
+        done.append(asyncio.get_running_loop().time() - started)
+
+    await asyncio.gather(*(one() for _ in range(4)))
+    done.sort()
+    # Two run at once; the third starts its delay only once the first freed its slot.
+    assert done[2] - done[0] >= 0.18
+    assert (await fake.stats())["max_in_flight"] >= 2
+
+
 # --------------------------------------------------------------------------- control endpoint
 
 
@@ -646,6 +673,8 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         "stream_no_done": False,
         "empty_200": False,
         "close_idle_keepalive": False,
+        "parallel": 0,
+        "word": "tok",
     }
     assert fake.options is options
     assert (options.tokens, options.models, options.api_key, options.fail_status) == (2, ["x", "y"], "k", 502)
