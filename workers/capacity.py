@@ -53,6 +53,7 @@ SLOW_START = 1.5  # the multiplier of rises before the first queue
 HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
 QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
 EASED = 0.75  # after a fall, a gradient still this much of the one before: it was no queue
+FIRST_TOKEN_MARGIN = 1.5  # a first token this many times the unqueued p90 late: the call waits
 MIN_SAMPLES = 3  # calls a latency verdict needs
 PENDING = 64  # calls kept for the next latency verdict at most
 PERSIST_S = 1.0  # an engine queue counts when every reading this long shows one
@@ -398,3 +399,52 @@ def _duration_s(text: str) -> float | None:
         number, matched = "", True
         i += len(unit)
     return total if matched and not number else None
+
+
+# --------------------------------------------------------------------------- no engine metrics
+
+
+@dataclass
+class FirstTokens:
+    """An engine's queue as iop's own streamed calls show it, where the engine reports none:
+    a call still without its first token long after an unqueued one would have had it waits
+    in the engine. ``reading`` makes of that what the engine's metrics would say
+    (``running``: calls decoding or not yet overdue; ``waiting``: calls overdue), for the
+    same controller (:meth:`LimitController.note_engine`), several times a second, not only
+    when calls end. The unqueued level is the time to first token of calls that started
+    with no other call of iop's there still waiting for its own: nothing of iop's was ahead."""
+
+    calls: dict[object, tuple[float, float | None]] = field(default_factory=dict)  # key -> (start, first)
+    clean: deque[float] = field(default_factory=lambda: deque(maxlen=128))
+    _clean_start: set[object] = field(default_factory=set)
+
+    def started(self, key: object, now: float) -> None:
+        if not any(first is None for _, first in self.calls.values()):
+            self._clean_start.add(key)
+        self.calls[key] = (now, None)
+
+    def first_output(self, key: object, now: float) -> None:
+        call = self.calls.get(key)
+        if call is None or call[1] is not None:
+            return
+        self.calls[key] = (call[0], now)
+        if key in self._clean_start:
+            self.clean.append(now - call[0])
+            self._clean_start.discard(key)
+
+    def ended(self, key: object) -> None:
+        self.calls.pop(key, None)
+        self._clean_start.discard(key)
+
+    def overdue_after(self) -> float | None:
+        """How long a call may wait for its first token unqueued (None: too few seen yet)."""
+        if len(self.clean) < MIN_SAMPLES * 2:
+            return None
+        return max(FIRST_TOKEN_MARGIN * _quantile(self.clean, 0.9), 2 * statistics.median(self.clean))
+
+    def reading(self, now: float) -> EngineLoad | None:
+        limit = self.overdue_after()
+        if limit is None or not self.calls:
+            return None
+        waiting = sum(1 for start, first in self.calls.values() if first is None and now - start > limit)
+        return EngineLoad(running=len(self.calls) - waiting, waiting=waiting, kv_usage=None, at=now)

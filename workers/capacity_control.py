@@ -42,7 +42,7 @@ from dispatcher import keys, wire
 from dispatcher.config import ProviderConfig
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.probes import lacks_health
-from workers.capacity import CallSample, LimitController, RateLimits
+from workers.capacity import CallSample, FirstTokens, LimitController, RateLimits
 from workers.engine_metrics import SOURCES, EngineLoad, EngineMetrics
 from workers.runtime import NodeRuntime, ProviderAdapters
 
@@ -67,6 +67,7 @@ class ProviderLoad:
     engine: EngineLoad | None = None
     external: int = 0
     beyond: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=16))
+    first_tokens: FirstTokens = field(default_factory=FirstTokens)
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
@@ -102,6 +103,22 @@ class CapacityControl:
         if load is None or load.provider != provider:
             return provider.capacity_bounds[0] if provider.auto else provider.fixed_capacity
         return load.limit()
+
+    def call_started(self, provider_id: str, key: object) -> None:
+        """A streamed call to the provider began (its first token's lateness: FirstTokens)."""
+        load = self.loads.get(provider_id)
+        if load is not None:
+            load.first_tokens.started(key, time.monotonic())
+
+    def first_output(self, provider_id: str, key: object) -> None:
+        load = self.loads.get(provider_id)
+        if load is not None:
+            load.first_tokens.first_output(key, time.monotonic())
+
+    def call_ended(self, provider_id: str, key: object) -> None:
+        load = self.loads.get(provider_id)
+        if load is not None:
+            load.first_tokens.ended(key)
 
     def called(self, provider_id: str, sample: CallSample | None, status: int, headers: dict[str, str]) -> None:
         """A call the provider answered (``sample``: a 2xx, timed), with its status and headers."""
@@ -216,6 +233,11 @@ class CapacityControl:
             ctl.note_in_flight(in_flight)
             if reading is not None:
                 ctl.note_engine(reading)
+            elif load.metrics is None or not load.metrics.available or load.metrics.error:
+                # No engine metrics: what iop's own streamed calls say of its queue.
+                seen = load.first_tokens.reading(now)
+                if seen is not None:
+                    ctl.note_engine(seen)
             if ctl.due(now):
                 change = ctl.tick(now, backlog, load.external)
                 if change is not None:

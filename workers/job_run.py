@@ -62,6 +62,11 @@ class JobRunner:
         """Run ``job`` to its end, whatever happens; its slot is always given back."""
         running = self._runs.start(job)
         sink = RedisSink(self._side, job, self._node_id, self._hold_s)
+        if self._capacity is not None and job.stream:
+            # Its first token's lateness is its engine's queue, where the engine reports none.
+            capacity = self._capacity
+            capacity.call_started(job.provider, running.key)
+            sink.on_first_output = lambda: capacity.first_output(job.provider, running.key)
         final: events.Event | None = None
         try:
             if running.abort_reason is None:
@@ -87,6 +92,8 @@ class JobRunner:
                     await self.finish(running, sink, final, mode=mode, verdict=running.verdict, live=running.live)
                 finally:
                     self._runs.end(running)
+                    if self._capacity is not None and job.stream:
+                        self._capacity.call_ended(job.provider, running.key)
                     if running.provider_failed:
                         # Released: if it runs nothing else now, the whole probe may be asked.
                         self._providers.probe_now(job.provider)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from redis.exceptions import RedisError
 
@@ -56,8 +56,10 @@ class RedisSink:
         self.headers: dict[str, str] = {}
         self.upstream_done = True
         self.started = False  # emit succeeded: output may have reached the client
-        # When the provider's first output came (time.monotonic()): its time to first token.
+        # When the provider's first output came (time.monotonic()): its time to first token;
+        # ``on_first_output`` is told at that moment (workers/capacity_control.py).
         self.first_output_at: float | None = None
+        self.on_first_output: Callable[[], None] | None = None
         self.hold_s = hold_s
         self._final: events.Event | None = None
         self._usage: Usage | None = None
@@ -84,6 +86,8 @@ class RedisSink:
     async def chunks(self, payloads: list[bytes]) -> None:
         if self.first_output_at is None:
             self.first_output_at = time.monotonic()
+            if self.on_first_output is not None:
+                self.on_first_output()
         self._pending.extend(payloads)
         self._pending_bytes += sum(len(p) for p in payloads)
         if self._failing_since is not None and time.monotonic() < self._retry_at:

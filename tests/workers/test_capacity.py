@@ -9,6 +9,7 @@ from workers.capacity import (
     HOLD_S,
     TICK_S,
     CallSample,
+    FirstTokens,
     LimitController,
     RateLimits,
     reset_s,
@@ -294,3 +295,33 @@ def test_longer_prompts_are_not_taken_for_a_queue_for_long() -> None:
         ctl.tick(now, backlog=False, external=0)
         limits.append(ctl.limit)
     assert min(limits) >= 7, limits
+
+
+def test_first_tokens_read_an_engine_queue_off_iop_s_own_streams() -> None:
+    ft = FirstTokens()
+    now = 0.0
+    # Calls that started with nothing of iop's waiting ahead: their first tokens in ~0.2 s.
+    for i in range(8):
+        ft.started(i, now)
+        ft.first_output(i, now + 0.2)
+        ft.ended(i)
+        now += 1.0
+    assert ft.reading(now) is None  # nothing running
+    for i in range(10, 14):
+        ft.started(i, now)
+    assert ft.reading(now + 0.1) == EngineLoad(running=4, waiting=0, kv_usage=None, at=now + 0.1)
+    for i in range(10, 12):
+        ft.first_output(i, now + 0.2)
+    # Two still without a first token a second later: waiting in the engine.
+    later = ft.reading(now + 1.0)
+    assert later is not None
+    assert (later.running, later.waiting) == (2, 2)
+    # Of the four, only the first started with nothing of iop's waiting ahead of it: the
+    # three behind it are no measure of the unqueued level.
+    assert len(ft.clean) == 9
+
+
+def test_without_enough_unqueued_calls_first_tokens_say_nothing() -> None:
+    ft = FirstTokens()
+    ft.started("a", 0.0)
+    assert ft.reading(10.0) is None

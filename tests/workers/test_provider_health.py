@@ -114,6 +114,13 @@ async def serving(redis_server: RedisServer, upstream: Upstream, provider_type: 
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.run)
         try:
+            # The reaper's first round sets in_flight to the live leases: past it, an
+            # in_flight a test writes for another worker's jobs stays (the next such check
+            # is RECONCILE_EVERY rounds later).
+            async def reaped() -> bool:
+                return worker.reaper.rounds >= 1
+
+            await eventually("the first reaper round", reaped)
             yield worker
         finally:
             worker.stop()

@@ -349,14 +349,14 @@ def encoded_streams(draw: st.DrawFn) -> tuple[list[bytes], list[bytes]]:
 
 
 @given(encoded_streams())
-@settings(database=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(database=None, max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_property_any_chunking_yields_the_payloads(stream: tuple[list[bytes], list[bytes]]) -> None:
     payloads, chunks = stream
     assert parse_all(chunks) == payloads
 
 
 @given(st.lists(payload_st, max_size=12), st.data())
-@settings(database=None, max_examples=200)
+@settings(database=None, max_examples=200, deadline=None)
 def test_property_byte_by_byte_and_whole_agree(payloads: list[bytes], data: st.DataObject) -> None:
     encoded = b"".join(b"data: " + p + b"\n\n" for p in payloads) + b"data: [DONE]\n\n"
     assert parse_all([encoded]) == payloads
