@@ -409,17 +409,21 @@ class FirstTokens:
     """An engine's queue as iop's own streamed calls show it, where the engine reports none:
     a call still without its first token long after an unqueued one would have had it waits
     in the engine. ``reading`` makes of that what the engine's metrics would say
-    (``running``: calls decoding or not yet overdue; ``waiting``: calls overdue), for the
-    same controller (:meth:`LimitController.note_engine`), several times a second, not only
-    when calls end. The unqueued level is the time to first token of calls that started
-    with no other call of iop's there still waiting for its own: nothing of iop's was ahead."""
+    (``running``: calls past their first token, decoding; ``waiting``: calls overdue; a call
+    not yet overdue is neither, since it may be in its prefill or in the queue), for the same
+    controller (:meth:`LimitController.note_engine`), several times a second, not only when
+    calls end. The unqueued level is the time to first token of calls that found a slot
+    free: started while fewer of iop's calls ran there than the most it has seen decoding at
+    once (``proven``: the engine ran that many together). A call started with every proven
+    slot taken may wait for one, and says nothing of the prefill alone."""
 
     calls: dict[object, tuple[float, float | None]] = field(default_factory=dict)  # key -> (start, first)
     clean: deque[float] = field(default_factory=lambda: deque(maxlen=128))
+    proven: int = 0  # the most calls seen decoding at once
     _clean_start: set[object] = field(default_factory=set)
 
     def started(self, key: object, now: float) -> None:
-        if not any(first is None for _, first in self.calls.values()):
+        if len(self.calls) < max(self.proven, 1):
             self._clean_start.add(key)
         self.calls[key] = (now, None)
 
@@ -428,6 +432,7 @@ class FirstTokens:
         if call is None or call[1] is not None:
             return
         self.calls[key] = (call[0], now)
+        self.proven = max(self.proven, sum(1 for _, first in self.calls.values() if first is not None))
         if key in self._clean_start:
             self.clean.append(now - call[0])
             self._clean_start.discard(key)
@@ -446,5 +451,6 @@ class FirstTokens:
         limit = self.overdue_after()
         if limit is None or not self.calls:
             return None
+        decoding = sum(1 for _, first in self.calls.values() if first is not None)
         waiting = sum(1 for start, first in self.calls.values() if first is None and now - start > limit)
-        return EngineLoad(running=len(self.calls) - waiting, waiting=waiting, kv_usage=None, at=now)
+        return EngineLoad(running=decoding, waiting=waiting, kv_usage=None, at=now)

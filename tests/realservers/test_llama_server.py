@@ -295,3 +295,65 @@ def test_cached_prompt_tokens_count_in_the_catalog(iop_llama_server: System) -> 
     iop_llama_server.wait_until("the two streams counted", lambda: counted() == expected, timeout=10)
     view = view_of(iop_llama_server)
     assert view["cache_hit_rate"] == round(expected[1] / expected[0], 4), view
+
+
+# --- capacity: auto in front of it ------------------------------------------------------------
+
+
+class Callers:
+    """``count`` callers, each sending streamed requests one after another until stopped."""
+
+    def __init__(self, base: str, body: dict[str, Any], count: int) -> None:
+        self.failed: list[str] = []
+        self.answered = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(base, body)) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, base: str, body: dict[str, Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                answer = send(base, "/v1/chat/completions", {**body, "stream": True}, timeout=120)
+                ok, what = answer.status == 200 and answer.done, answer.describe()
+            except Exception as exc:  # counted, not lost in the thread
+                ok, what = False, repr(exc)
+            with self._lock:
+                if ok:
+                    self.answered += 1
+                else:
+                    self.failed.append(what)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def test_capacity_auto_settles_near_its_slots(tmp_path_factory: pytest.TempPathFactory,
+                                               llama_server: RealServer) -> None:
+    """``capacity: auto`` in front of ``--parallel 4``, with more callers than slots: the limit
+    learned from its ``/metrics`` (requests_processing / requests_deferred) settles near its 4
+    slots, not at the floor and not at the ceiling. Near: a limit of 5 or 6 for a moment is
+    one deferred request tried and given back (a rise needs every slot busy with nothing
+    deferred, a deferred request held for a second brings it down again)."""
+    provider = {**llama_server_provider(llama_server), "capacity": "auto", "min_capacity": 1, "max_capacity": 16}
+    with iop_in_front(tmp_path_factory, provider) as system:
+        callers = Callers(system.api_url, {"model": SLOTS_ALIAS, "messages": CHAT, "max_tokens": 200,
+                                           "temperature": 0, "seed": 7}, 3 * LLAMA_SLOTS)
+        try:
+            time.sleep(15)  # learning: from the floor up, and down to the slots
+            limits: list[int] = []
+            for _ in range(30):
+                limits.append(view_of(system)["capacity"])
+                time.sleep(0.5)
+            view = view_of(system)
+        finally:
+            callers.stop()
+    assert not callers.failed, callers.failed[:5]
+    assert callers.answered > 0
+    assert view["capacity_mode"] == "auto", view
+    assert view["engine"] is not None, view  # the limit came from the engine's own figures
+    settled = sorted(limits)[len(limits) // 2]
+    assert LLAMA_SLOTS - 1 <= settled <= LLAMA_SLOTS + 2, (limits, view.get("capacity_reason"))

@@ -300,25 +300,52 @@ def test_longer_prompts_are_not_taken_for_a_queue_for_long() -> None:
 def test_first_tokens_read_an_engine_queue_off_iop_s_own_streams() -> None:
     ft = FirstTokens()
     now = 0.0
-    # Calls that started with nothing of iop's waiting ahead: their first tokens in ~0.2 s.
+    # One call at a time: each found a slot free, its first token in ~0.2 s.
     for i in range(8):
         ft.started(i, now)
         ft.first_output(i, now + 0.2)
         ft.ended(i)
         now += 1.0
     assert ft.reading(now) is None  # nothing running
+    assert ft.proven == 1
     for i in range(10, 14):
         ft.started(i, now)
-    assert ft.reading(now + 0.1) == EngineLoad(running=4, waiting=0, kv_usage=None, at=now + 0.1)
+    # Just started: in their prefill or queued, not yet known to run.
+    assert ft.reading(now + 0.1) == EngineLoad(running=0, waiting=0, kv_usage=None, at=now + 0.1)
     for i in range(10, 12):
         ft.first_output(i, now + 0.2)
-    # Two still without a first token a second later: waiting in the engine.
+    # Two decoding, two still without a first token a second later: waiting in the engine.
     later = ft.reading(now + 1.0)
     assert later is not None
     assert (later.running, later.waiting) == (2, 2)
-    # Of the four, only the first started with nothing of iop's waiting ahead of it: the
-    # three behind it are no measure of the unqueued level.
+    assert ft.proven == 2
+    # Only the first of the four found a slot proven free: the three behind it may have
+    # waited for one, and are no measure of the unqueued level.
     assert len(ft.clean) == 9
+
+
+def test_calls_that_may_have_waited_for_a_slot_do_not_set_the_unqueued_level() -> None:
+    ft = FirstTokens()
+    now = 0.0
+    for i in range(8):  # two at a time, both decoding: two slots proven
+        ft.started((i, "a"), now)
+        ft.started((i, "b"), now)
+        ft.first_output((i, "a"), now + 0.2)
+        ft.first_output((i, "b"), now + 0.2)
+        ft.ended((i, "a"))
+        ft.ended((i, "b"))
+        now += 1.0
+    level = ft.overdue_after()
+    assert level is not None
+    assert level < 1.0
+    # A burst of six with two slots proven: four may wait seconds for a slot.
+    for i in range(6):
+        ft.started(("burst", i), now)
+    for i in range(2):
+        ft.first_output(("burst", i), now + 0.2)
+    for i in range(2, 6):
+        ft.first_output(("burst", i), now + 5.0)
+    assert ft.overdue_after() == level
 
 
 def test_without_enough_unqueued_calls_first_tokens_say_nothing() -> None:
