@@ -65,7 +65,7 @@ WARM_UP_S = 2.0
 AFTER_BACK_S = 3.0
 # With lose_writes, the replica that is promoted misses this much of the last writes.
 LOST_WRITES_S = 0.8
-# redis.failover_hold_ms when the config does not set it, as measured in the README.
+# redis.failover_hold_ms when the config does not set it, as measured in docs/OPERATIONS.md.
 HOLD_MS = RedisConfig().failover_hold_ms
 # A failover that names the new master this much before the hold runs out is "within the
 # hold": the clients still have to rediscover it, reconnect and submit.
