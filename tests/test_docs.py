@@ -303,3 +303,69 @@ def test_the_readme_example_is_minimal() -> None:
     loaded = cfg.parse(example).config
     assert len(loaded.models) == 1
     assert len(loaded.models[0].providers) == 2
+
+
+# --------------------------------------------------------------------------- provider types
+
+
+PROVIDERS_DOC = DOCS / "PROVIDERS.md"
+TYPES_HEADING = "## Types and the endpoints they serve"
+
+
+def documented_endpoints(table: str) -> dict[str, set[str]]:
+    """Each type's default endpoints as the table names them: ``chat`` is chat/completions,
+    ``audio/*`` every audio endpoint, a note in parentheses or before a colon is no name."""
+    found: dict[str, set[str]] = {}
+    for kind, listed in re.findall(r"^\| `(\w+)` \| (.+?) \|$", table, re.M):
+        listed = re.sub(r"\(.*?\)", "", listed.split(": ", 1)[-1])
+        names: set[str] = set()
+        for word in (w.strip() for w in listed.split(",")):
+            if word == "chat":
+                names.add("chat/completions")
+            elif word.endswith("/*"):
+                names |= {e for e in ENDPOINTS if e.startswith(word[:-1])}
+            elif word:
+                names.add(word)
+        found[kind] = names
+    return found
+
+
+def check_default_endpoints(table: str) -> None:
+    from dispatcher.endpoints import DEFAULT_ENDPOINTS
+
+    documented = documented_endpoints(table)
+    assert set(documented) == set(DEFAULT_ENDPOINTS), (
+        f"the types table lists {sorted(documented)}; iop has {sorted(DEFAULT_ENDPOINTS)}")
+    for kind, served in DEFAULT_ENDPOINTS.items():
+        assert documented[kind] == set(served), (
+            f"{kind}: the table says {sorted(documented[kind])}, DEFAULT_ENDPOINTS {sorted(served)}")
+
+
+def check_default_categories(text: str) -> None:
+    from dispatcher.config.schema import DEFAULT_CATEGORY
+
+    line = re.search(r"Default categories: (.+?)\.\n\n", text, re.S)
+    assert line is not None, "PROVIDERS.md says no default categories"
+    documented: dict[str, str] = {}
+    for part in line.group(1).split(";"):
+        types, category = part.split("→")
+        for kind in re.findall(r"`(\w+)`", types):
+            documented[kind] = category.strip().strip("`")
+    assert documented == DEFAULT_CATEGORY, f"PROVIDERS.md's default categories {documented} are not {DEFAULT_CATEGORY}"
+
+
+def test_the_types_table_is_iops() -> None:
+    check_default_endpoints(table_after(PROVIDERS_DOC.read_text(), TYPES_HEADING))
+    check_default_categories(PROVIDERS_DOC.read_text())
+
+
+def test_types_table_catches() -> None:
+    table = table_after(PROVIDERS_DOC.read_text(), TYPES_HEADING)
+    with pytest.raises(AssertionError, match="ollama: the table says"):
+        check_default_endpoints(table.replace("| `ollama` | chat, completions, embeddings, responses, messages |",
+                                              "| `ollama` | chat, completions, embeddings, responses |"))
+    with pytest.raises(AssertionError, match="the types table lists"):
+        check_default_endpoints("\n".join(row for row in table.splitlines() if not row.startswith("| `cli`")))
+    text = PROVIDERS_DOC.read_text()
+    with pytest.raises(AssertionError, match="default categories"):
+        check_default_categories(text.replace("`ollama`, `llamacpp` →", "`ollama` →"))
