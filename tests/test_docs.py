@@ -369,3 +369,52 @@ def test_types_table_catches() -> None:
     text = PROVIDERS_DOC.read_text()
     with pytest.raises(AssertionError, match="default categories"):
         check_default_categories(text.replace("`ollama`, `llamacpp` →", "`ollama` →"))
+
+
+# --------------------------------------------------------------------------- defaults shown
+
+
+# The sections whose values CONFIG.md's example shows as the defaults; `*_env` and `url` are
+# examples of names, not defaults.
+DEFAULTS_SHOWN = ("redis", "api", "queue", "dispatch", "responses")
+
+
+def check_defaults_shown(example: dict[str, Any], sections: tuple[str, ...] = DEFAULTS_SHOWN) -> None:
+    import msgspec
+
+    config = cfg.parse(example).config
+    for section in sections:
+        default = msgspec.to_builtins(type(getattr(config, section))())
+        for key, value in example.get(section, {}).items():
+            if isinstance(value, dict | list) or key.endswith("_env") or key == "url":
+                continue
+            assert default.get(key) == value, (
+                f"{section}.{key}: the example shows {value!r}, the default is {default.get(key)!r}")
+
+
+def test_the_config_reference_shows_the_defaults() -> None:
+    example = config_examples(CONFIG_DOC.read_text())[0]
+    check_defaults_shown(example)
+
+
+def test_defaults_shown_catches() -> None:
+    example = config_examples(CONFIG_DOC.read_text())[0]
+    example["dispatch"]["lease_ms"] = 20_000
+    with pytest.raises(AssertionError, match=re.escape("dispatch.lease_ms: the example shows 20000")):
+        check_defaults_shown(example)
+
+
+def ejection_example() -> dict[str, Any]:
+    blocks = [yaml.safe_load(body) for lang, body in _FENCE.findall(PROVIDERS_DOC.read_text()) if lang == "yaml"]
+    (found,) = [b for b in blocks if isinstance(b, dict) and set(b) == {"ejection"}]
+    return found
+
+
+def test_the_ejection_example_is_the_defaults() -> None:
+    import msgspec
+
+    from dispatcher.config.schema import EjectionConfig
+
+    shown = ejection_example()["ejection"]
+    default = msgspec.to_builtins(EjectionConfig())
+    assert shown == default, f"PROVIDERS.md says its ejection block is the defaults: {shown} != {default}"
