@@ -418,3 +418,31 @@ def test_the_ejection_example_is_the_defaults() -> None:
     shown = ejection_example()["ejection"]
     default = msgspec.to_builtins(EjectionConfig())
     assert shown == default, f"PROVIDERS.md says its ejection block is the defaults: {shown} != {default}"
+
+
+# --------------------------------------------------------------------------- examples of drain
+
+
+def provider_ids() -> set[str]:
+    """The provider ids of the configs the pages use: the demo's, compose's, the examples'."""
+    docs = [yaml.safe_load((ROOT / "iop" / "demo.yaml").read_text()),
+            yaml.safe_load((ROOT / "deploy" / "iop.yaml").read_text()),
+            *config_examples(README.read_text()), *config_examples(CONFIG_DOC.read_text())]
+    return {p["id"] for d in docs for node in d["nodes"] for p in node.get("providers", [])}
+
+
+def check_drain_examples(path: Path, text: str, known: set[str]) -> None:
+    for target in re.findall(r"iop provider (?:drain|resume) ([\w.:-]+)", text):
+        if target in ("ID", "drain", "resume") or target.startswith("-"):
+            continue
+        assert target in known, f"{path.name}: `iop provider drain|resume {target}`: no provider has that id"
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
+def test_drain_examples_name_providers(path: Path) -> None:
+    check_drain_examples(path, path.read_text(), provider_ids())
+
+
+def test_drain_examples_catch() -> None:
+    with pytest.raises(AssertionError, match="no provider has that id"):
+        check_drain_examples(README, "`iop provider drain gpu-a --wait`", provider_ids())
