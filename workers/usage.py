@@ -23,8 +23,9 @@ Anything else counts nothing. Only answers to the endpoint's own POST count (not
 retrieve of a stored Response), and only 2xx JSON answers are decoded at all; a stream's
 chunk is decoded only when its bytes hold ``"usage"``.
 
-Of the prompt tokens, how many the runtime served from its prefix cache
-(:func:`cached_tokens_of`, the feedback for cache-aware dispatch, ``dispatcher/affinity.py``):
+Of the prompt tokens, how many the runtime served from its prefix cache (``_cached``; they
+travel in ``Usage.cached`` to the provider's totals in Redis and ``iop_cached_tokens_total``,
+the measure of what cache-aware dispatch buys):
 
 * OpenAI, vLLM (``--enable-prompt-tokens-details``), SGLang (``--enable-cache-report``),
   llama.cpp's OpenAI endpoints -- ``usage.prompt_tokens_details.cached_tokens``; the
@@ -40,9 +41,6 @@ Of the prompt tokens, how many the runtime served from its prefix cache
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
@@ -172,7 +170,7 @@ def _cached_in(raw: msgspec.Raw, key: str) -> int | None:
 
 def _cached(c: _Counts | None, timings: msgspec.Raw) -> int | None:
     """The prompt tokens served from the cache, as this ``usage`` (and llama.cpp's
-    ``timings``) say them: the sources of :func:`cached_tokens_of`, in its order."""
+    ``timings``) say them: the sources of the module's docstring, in its order."""
     if c is not None:
         for details in (c.prompt_tokens_details, c.input_tokens_details):
             if details and (n := _cached_in(details, "cached_tokens")) is not None:
@@ -295,32 +293,4 @@ def _count(value: object) -> int | None:
     """A token count as a provider reports it: an integer, not negative (nor a bool)."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    return None
-
-
-def _cached_in_usage(usage: object) -> int | None:
-    if not isinstance(usage, Mapping):
-        return None
-    for details in ("prompt_tokens_details", "input_tokens_details"):
-        held = usage.get(details)
-        if isinstance(held, Mapping) and (n := _count(held.get("cached_tokens"))) is not None:
-            return n
-    for key in ("cache_read_input_tokens", "prompt_cache_hit_tokens"):
-        if (n := _count(usage.get(key))) is not None:
-            return n
-    return None
-
-
-def cached_tokens_of(payload: Mapping[str, Any]) -> int | None:
-    """How many prompt tokens the runtime served from its cache, as a decoded JSON answer
-    or stream chunk says it (see the module's docstring); None where it says nothing
-    (0 is a report: a prompt computed in full)."""
-    if not isinstance(payload, Mapping):
-        return None
-    for holder in (payload, payload.get("response"), payload.get("message")):
-        if isinstance(holder, Mapping) and (n := _cached_in_usage(holder.get("usage"))) is not None:
-            return n
-    timings = payload.get("timings")
-    if isinstance(timings, Mapping):
-        return _count(timings.get("cache_n"))
     return None

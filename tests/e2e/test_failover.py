@@ -4,7 +4,7 @@ and a Sentinel group of 1 master, 1 replica and 3 sentinels (iop given the senti
 and a standalone Redis restarted (SIGKILL, then started again on its port with its AOF).
 
 Callers send JSON and streamed requests at a steady rate; the Redis that holds iop's keys
-is SIGKILLed in the middle of it. The contract (README, "Redis failover"):
+is SIGKILLed in the middle of it. The contract (docs/OPERATIONS.md, "Redis failover"):
 
 * every request gets one HTTP answer -- no client timeout, no dropped connection, no
   stream that stops without ``[DONE]`` or an error event, no second run spliced into a
@@ -21,11 +21,11 @@ Each topology runs twice: a plain kill (the replica, on the same machine, has ev
 and ``lost-writes``, where the replica that will be promoted is cut off from its master
 ``LOST_WRITES_S`` before the kill, so the failover loses everything written meanwhile
 (asynchronous replication at its worst): requests whose writes were lost may end
-``worker_lost`` or run twice (README), but none is answered 503.
+``worker_lost`` or run twice (docs/OPERATIONS.md), but none is answered 503.
 
 Timings are not pass/fail here (a loaded 2-core machine stretches them): the time from the
 kill to the first 200, the latency bump, and the answers by status and code are printed
-(``-s``) and recorded as junit properties; the README reports them.
+(``-s``) and recorded as junit properties; docs/OPERATIONS.md reports them.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ WARM_UP_S = 2.0
 AFTER_BACK_S = 3.0
 # With lose_writes, the replica that is promoted misses this much of the last writes.
 LOST_WRITES_S = 0.8
-# redis.failover_hold_ms when the config does not set it, as measured in the README.
+# redis.failover_hold_ms when the config does not set it, as measured in docs/OPERATIONS.md.
 HOLD_MS = RedisConfig().failover_hold_ms
 # A failover that names the new master this much before the hold runs out is "within the
 # hold": the clients still have to rediscover it, reconnect and submit.
@@ -641,7 +641,7 @@ def test_a_stream_relayed_from_a_dispatch_the_failover_lost_is_not_spliced(
     dispatch and the "output reached the client" mark were lost) and dispatches it again:
     the provider runs it twice, which the lost writes make unavoidable. But the client, who
     has the first run's output, must get the rest of that run or an error -- never the
-    second run's output spliced after the first (README: at-most-once once output started)
+    second run's output spliced after the first (docs/OPERATIONS.md: at-most-once once output started)
     -- and get it within two watchdog periods of the new master."""
     topology = sentinel_losing_writes
     system = FailoverSystem(tmp_path, topology)

@@ -1,7 +1,7 @@
 """Redis SIGKILLed and restarted on the same port, with its AOF, while JSON and streamed
 requests run on a slow provider -- real processes throughout.
 
-The contract (README, "Redis down"): an outage shorter than two lease periods --
+The contract (docs/OPERATIONS.md, "Redis outages"): an outage shorter than two lease periods --
 including one longer than ``replica_ttl_ms`` and one longer than a lease -- costs a
 request that was already dispatched nothing but time: it is answered 200 (a stream
 with every chunk, in order, then ``[DONE]``), the provider runs it exactly once, a
