@@ -39,7 +39,7 @@ from workers.usage import ASKABLE, final_usage
 log = logging.getLogger("iop.worker")
 
 # How long a worker keeps a job's output and slot through a Redis outage before leaving
-# the job to its lease: the README promises two lease periods.
+# the job to its lease: docs/OPERATIONS.md "Redis outages" promises two lease periods.
 OUTAGE_LEASES = 2
 
 

@@ -218,7 +218,7 @@ class QualifyConfig(_Base, frozen=True):
 
 class EjectionConfig(_Base, frozen=True):
     """When a provider leaves rotation for its 5xx answers, and how it comes back
-    (``lua/lib/blame.lua``, ``lua/lib/eject.lua``; README "Health: leaving rotation and coming back").
+    (``lua/lib/blame.lua``, ``lua/lib/eject.lua``; docs/PROVIDERS.md "Leaving rotation and coming back").
 
     A provider that refuses or resets connections, times out, cuts a stream or fails its probe
     leaves at once, whatever this says. A 5xx counts against it only when it is the
