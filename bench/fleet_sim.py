@@ -704,13 +704,13 @@ class SimServer:
             data = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
-        if chat:  # as vLLM and SGLang do: the role first, before any token
-            await response.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}))
         sent = 0
         while True:
             if request.generated > sent:
                 out = []
+                if chat and sent == 0:  # as vLLM and SGLang do: the role first, with the first token
+                    out.append(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
                 for i in range(sent, request.generated):
                     text = f"tok{i} "
                     out.append(chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}

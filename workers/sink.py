@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
 from redis.exceptions import RedisError
 
 from dispatcher import events
@@ -22,6 +23,31 @@ HOLD_BYTES = 8 * 1024 * 1024
 # Between two write attempts while Redis is away: chunks keep coming from the provider,
 # and each must not cost a connection attempt.
 RETRY_EVERY_S = 0.2
+
+
+class _Choice(msgspec.Struct):
+    delta: dict[str, object] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
+_CHUNK = msgspec.json.Decoder(_Chunk)
+
+
+def announces_only(payload: bytes) -> bool:
+    """A chat chunk that only names the role, with no token: vLLM and SGLang send it with the
+    first token, other servers at once, before the prompt is even read. It is not output, so
+    the time to first token (live figures, capacity: auto's FirstTokens) does not start there."""
+    if b'"role"' not in payload:
+        return False
+    try:
+        chunk = _CHUNK.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    return bool(chunk.choices) and all(
+        c.delta is not None and not any(v for k, v in c.delta.items() if k != "role") for c in chunk.choices)
 
 
 class JobAborted(Exception):
@@ -84,7 +110,7 @@ class RedisSink:
         self._usage = usage
 
     async def chunks(self, payloads: list[bytes]) -> None:
-        if self.first_output_at is None:
+        if self.first_output_at is None and not all(announces_only(p) for p in payloads):
             self.first_output_at = time.monotonic()
             if self.on_first_output is not None:
                 self.on_first_output()

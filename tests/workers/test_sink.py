@@ -138,3 +138,33 @@ async def test_holding_is_bounded_in_bytes(h: Harness, monkeypatch: pytest.Monke
     await sink.chunks([b"12345"])
     with pytest.raises(RedisError):
         await sink.chunks([b"678901"])
+
+
+ROLE_ONLY = b'{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+FIRST_TOKEN = b'{"id":"c1","choices":[{"index":0,"delta":{"content":"Hel"}}]}'
+
+
+@pytest.mark.parametrize(("payload", "announces"), [
+    (ROLE_ONLY, True),
+    (b'{"choices":[{"index":0,"delta":{"role":"assistant"}}]}', True),
+    (FIRST_TOKEN, False),
+    (b'{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]}', False),
+    (b'{"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0}]}}]}', False),
+    (b'{"choices":[{"index":0,"text":"Hel"}]}', False),  # completions: no role
+    (b'{"choices":[],"usage":{"role":1}}', False),
+    (b'not json with "role"', False),
+])
+def test_a_chunk_that_only_names_the_role_is_not_output(payload: bytes, announces: bool) -> None:
+    assert sink_module.announces_only(payload) is announces
+
+
+async def test_the_first_output_is_the_first_token_not_the_role(h: Harness) -> None:
+    _job, _slots, sink = await flaky_sink(h)
+    told: list[float] = []
+    sink.on_first_output = lambda: told.append(1.0)
+    await sink.chunks([ROLE_ONLY])
+    assert sink.first_output_at is None
+    assert told == []
+    await sink.chunks([FIRST_TOKEN])
+    assert sink.first_output_at is not None
+    assert told == [1.0]
