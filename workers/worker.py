@@ -14,6 +14,8 @@ to the node, report every answer back, and give every slot back.
                           (``workers/cancels.py``)
 * ``Leases.run``          extend the leases of running jobs (``workers/leases.py``)
 * ``Reaper.run_forever``  the shared maintenance round (``dispatcher.reaper``)
+* ``ProviderAdapters.run`` close the adapters a reload retired once nothing runs on them
+                          (``workers/runtime.py``)
 * ``_watch_signals``      SIGTERM/SIGINT: shut down -- stop taking jobs, let running ones
                           finish within ``dispatch.drain_grace_s``, cancel the rest, exit
 * ``_watch_hangups``      SIGHUP: read the config file again and apply it (:meth:`reload`):
@@ -77,8 +79,9 @@ class Worker:
         dispatch = config.dispatch
         self.side = WorkerSide(runtime.calls, self.redis, node_id, self.clients.fast)
         self.reaper = Reaper(runtime.calls, self.redis, self.worker_id)
-        self.adapters = ProviderAdapters()
         self.runs = Runs(keep_s=dispatch.lease_ms / 1000)
+        # A retired adapter outlives its last run, and a lease after the reload.
+        self.adapters = ProviderAdapters(self.runs, keep_s=dispatch.lease_ms / 1000)
         self.capacity = CapacityControl(lambda: self.runtime, self.adapters, self.side, self.redis)
         self.providers = ProviderState(lambda: self.runtime, self.adapters, self.runs, self.side, self.redis,
                                        dispatch, self.worker_id, capacity_of=self.capacity.capacity_of)
@@ -115,6 +118,7 @@ class Worker:
                 tg.start_soon(self.leases.run)
                 tg.start_soon(self.reaper.run_forever)
                 tg.start_soon(self.telemetry.run)
+                tg.start_soon(self.adapters.run, self.runtime.config.dispatch.lease_ms / 1000)
                 async with anyio.create_task_group() as jobs:
                     await self.stream.consume(jobs)
                     await self._shut_down(jobs)
