@@ -26,6 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 from dispatcher import events, keys
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
+from dispatcher.plans import Lane
 from dispatcher.script_calls import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
@@ -136,7 +137,7 @@ class Reaper:
             queue = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
             if queue in known and queue not in pinned_only:
                 continue
-            moved += await self.calls.rehome_queue(queue, BATCH)
+            moved += await rehome_queue(self.calls, queue, BATCH)
         return moved
 
     async def refuse_unavailable(self) -> int:
@@ -235,3 +236,55 @@ class Reaper:
                 continue
             rec = decode_record(raw)
             await self.calls.cancel(job, keys.queue(rec.model, rec.lane), rec.replica, CancelReason.CLIENT)
+
+
+# --- waiting jobs in a lane queue no plan of this config pumps ---------------------------------
+
+
+async def rehome_queue(calls: ScriptCalls, queue: str, limit: int = BATCH) -> int:
+    """The first ``limit`` jobs waiting in ``queue``, a lane queue ``calls``' config does not
+    pump (a reload renamed or removed its lane), moved to the lane each belongs in now; those
+    pinned to a provider a reload removed answered 503. Returns how many moved. A reaper round
+    calls it for every such queue; a script call whose jobs came back to one (a requeue, an
+    unpark) for that queue at once."""
+    redis = calls.scripts.redis
+    jobs = cast(list[bytes], await redis.zrange(queue, 0, limit - 1))
+    if not jobs:
+        return 0
+    records = cast(list[bytes | None], await redis.hmget(keys.JOBS, jobs))
+    homes: dict[Lane, list[str]] = {}
+    homeless: dict[str, list[str]] = {}  # replica -> jobs
+    for raw_job, raw in zip(jobs, records, strict=True):
+        if raw is None:
+            continue
+        rec = decode_record(raw)
+        if rec.state != "q":
+            continue
+        lane = calls.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
+        if lane is None:
+            # Pinned to a provider a reload removed: its worker marked it so, or its
+            # heartbeat ran out. (One that is up is in a newer config than this process's,
+            # whose processes pump the job.)
+            if rec.pin and await gone(redis, rec.pin):
+                homeless.setdefault(rec.replica, []).append(raw_job.decode())
+        elif lane.queue != queue:
+            homes.setdefault(lane, []).append(raw_job.decode())
+    moved = 0
+    for lane, group in homes.items():
+        n, _ = await calls.rehome(queue, lane, group)
+        moved += n
+    if moved:
+        log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
+    for replica, group in homeless.items():
+        n = await calls.abandon(queue, replica, group)
+        log.warning("%d jobs waiting in %s are pinned to a provider a reload removed: answered", n, queue)
+    return moved
+
+
+async def gone(redis: Redis, provider: str) -> bool:
+    """Was ``provider`` removed (its worker's mark), or is its worker silent?"""
+    removed, hb_exp = await redis.hmget(keys.provider(provider), "removed", "hb_exp")
+    if removed:
+        return True
+    seconds, micros = await redis.time()
+    return hb_exp is None or int(hb_exp) < seconds * 1000 + micros // 1000
