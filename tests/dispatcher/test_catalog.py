@@ -141,6 +141,33 @@ async def test_capacity_zero_is_unavailable_without_a_ratio(h: Harness) -> None:
     assert zero.load_ratio is None
 
 
+async def test_a_provider_a_reload_removed_says_so_even_once_its_heartbeat_is_stale(h: Harness) -> None:
+    # What a worker's reload writes of a provider it no longer has (workers/worker.py), then
+    # nothing more: its heartbeat runs out.
+    await beat(h, "stale", "unavailable", "removed from the config")
+    await h.redis.hset(keys.provider("stale"), "removed", 1)
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("unavailable",
+                                                                      "removed from the config by a reload")
+    await h.redis.hset(keys.provider("stale"), mapping={"hb_exp": 1, "hb_ms": 1})
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("unavailable",
+                                                                      "removed from the config by a reload")
+    # Back in the config: its worker's heartbeat clears the mark (workers/provider_state.py).
+    await beat(h, "stale")
+    await h.redis.hset(keys.provider("stale"), "removed", "")
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("available", "")
+
+
+async def test_a_drain_leaves_health_to_the_probe(h: Harness) -> None:
+    await beat(h, "zero")
+    await h.redis.hset(keys.provider("zero"), "drain", 1)
+    _, providers = await read(h)
+    assert (providers["zero"].health, providers["zero"].reason, providers["zero"].drain) == (
+        "unavailable", "capacity 0", "drained")
+
+
 async def test_categories_of_every_kind(h: Harness) -> None:
     _, providers = await read(h)
     assert {p.category for p in providers.values()} == {"api", "cli", "local_inference"}
