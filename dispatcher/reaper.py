@@ -23,7 +23,7 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from dispatcher import events, keys
+from dispatcher import events, keys, wire
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
 from dispatcher.plans import Lane
@@ -283,8 +283,10 @@ async def rehome_queue(calls: ScriptCalls, queue: str, limit: int = BATCH) -> in
 
 async def gone(redis: Redis, provider: str) -> bool:
     """Was ``provider`` removed (its worker's mark), or is its worker silent?"""
-    removed, hb_exp = await redis.hmget(keys.provider(provider), "removed", "hb_exp")
-    if removed:
+    raw = cast(list[bytes | None], await redis.hmget(keys.provider(provider), wire.PROVIDER_HEALTH_FIELDS))
+    health = wire.provider_health({k: v.decode() for k, v in zip(wire.PROVIDER_HEALTH_FIELDS, raw, strict=True)
+                                   if v is not None})
+    if health.removed:
         return True
     seconds, micros = await redis.time()
-    return hb_exp is None or int(hb_exp) < seconds * 1000 + micros // 1000
+    return health.silent(seconds * 1000 + micros // 1000)

@@ -232,6 +232,10 @@ class ProviderHealth(msgspec.Struct, frozen=True):
     drain: str
     removed: bool
 
+    def silent(self, now_ms: int) -> bool:
+        """Its worker says nothing: never heard of, or its heartbeat is past its TTL."""
+        return self.hb_ms is None or (self.hb_exp or 0) < now_ms
+
     def reasons(self, now_ms: int) -> list[tuple[str, str]]:
         """Every reason it cannot take work, as (kind, words), in the order
         ``unavailable_reason`` tries them: ``removed``, then ``never_seen`` or ``stale``
@@ -242,8 +246,8 @@ class ProviderHealth(msgspec.Struct, frozen=True):
             found.append(("removed", "removed from the config by a reload"))
         if self.hb_ms is None:
             found.append(("never_seen", "never seen: no heartbeat from its worker yet"))
-        elif (self.hb_exp or 0) < now_ms:
-            found.append(("stale", f"stale heartbeat: last one {(now_ms - self.hb_ms) / 1000:.1f}s ago"))
+        elif self.silent(now_ms):
+            found.append(("stale", f"stale heartbeat: last one {(now_ms - (self.hb_ms or 0)) / 1000:.1f}s ago"))
         if self.health != "available":
             found.append(("unavailable", self.reason or "reported unavailable"))
         if self.drain:
@@ -263,6 +267,9 @@ class ProviderHealth(msgspec.Struct, frozen=True):
         if kind == "removed" or (kind in ("never_seen", "stale") and not silent_is_down):
             return None
         return words
+
+
+PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed")
 
 
 def provider_health(fields: dict[str, str]) -> ProviderHealth:

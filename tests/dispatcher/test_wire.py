@@ -149,6 +149,7 @@ def test_every_field_unavailable_reason_reads_is_in_provider_health() -> None:
     hmget = re.search(r"HMGET', pkey, (.*?)\)\n", source)
     assert hmget is not None
     assert set(re.findall(r"'([a-z_]+)'", hmget.group(1))) == set(wire.ProviderHealth.__struct_fields__)
+    assert set(wire.PROVIDER_HEALTH_FIELDS) == set(wire.ProviderHealth.__struct_fields__)
 
 
 LIMIT_WINDOWS = ["", "garbage", "1700000012000.500|60", "1700000012000|", "1700000012000", "1699999990000|30",
