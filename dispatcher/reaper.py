@@ -16,6 +16,7 @@ tenant counters with its job records).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -24,6 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from dispatcher import events, keys, wire
+from dispatcher.config import Config
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
 from dispatcher.plans import Lane
@@ -66,22 +68,37 @@ class ReapStats:
 
 
 class Reaper:
-    def __init__(self, calls: ScriptCalls, redis: Redis, owner: str) -> None:
+    """``calls``: the script calls of the config in force, or how to get them at each use (a
+    process whose reload swaps them: workers/worker.py); a round's period is the first
+    config's (``dispatch`` changes only at a restart)."""
+
+    def __init__(self, calls: ScriptCalls | Callable[[], ScriptCalls], redis: Redis, owner: str) -> None:
         self.redis = redis
         self.owner = owner
         self.rounds = 0
         # Server ms before which a round does not judge providers by their heartbeats.
         self._judge_providers_after = 0
-        self.use(calls)
+        self._calls: Callable[[], ScriptCalls] = calls if callable(calls) else (lambda: calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
         )
 
     def use(self, calls: ScriptCalls) -> None:
-        """Work from ``calls``' config from now on (a reload); the round period stays."""
-        self.calls = calls
-        self.config = calls.config
-        self.provider_ids = [p.id for _, p in self.config.providers()]
+        """Work from ``calls``' config from now on (a reload, in a process that hands the
+        reaper its script calls: api/gateway.py)."""
+        self._calls = lambda: calls
+
+    @property
+    def calls(self) -> ScriptCalls:
+        return self._calls()
+
+    @property
+    def config(self) -> Config:
+        return self.calls.config
+
+    @property
+    def provider_ids(self) -> list[str]:
+        return [p.id for _, p in self.config.providers()]
 
     async def run_forever(self) -> None:
         """A round every ``reap_period_ms`` (when this process wins the lock), for good."""
