@@ -380,7 +380,8 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     sec, usec = next(replies)
     now = int(sec) * 1000 + int(usec) // 1000
     hashes = [_text(h) for h in take(len(lay.providers))]
-    histories = {prov.id: _history(raw) for prov, raw in zip(lay.learning, take(len(lay.learning)), strict=True)}
+    histories = {prov.id: wire.capacity_history(raw)
+                 for prov, raw in zip(lay.learning, take(len(lay.learning)), strict=True)}
     queue_replies = take(2 * len(lay.lanes))
     affinity_views = _affinity_views(
         lay.affine, [int(n) for n in take(len(lay.affine))],
@@ -500,16 +501,6 @@ def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
                 out[field] = max(int(raw), 0)
             except ValueError:
                 continue
-    return out
-
-
-def _history(raw: list[bytes]) -> list[list[int]]:
-    """``lua/capacity.lua``'s '<ms>:<limit>' entries."""
-    out = []
-    for entry in raw:
-        at, _, limit = entry.decode().partition(":")
-        if at.isdigit() and limit.isdigit():
-            out.append([int(at), int(limit)])
     return out
 
 

@@ -166,6 +166,18 @@ class CapacityReport(msgspec.Struct, frozen=True, omit_defaults=True):
     moved: bool = False  # the limit moved since the last report: added to its history
 
 
+def capacity_history(raw: list[bytes]) -> list[list[int]]:
+    """A provider's learned limit over time, ``keys.capacity_history`` as
+    ``lua/capacity.lua`` appends it ('<server ms>:<limit>' each time it moved): [ms, limit],
+    oldest first; an entry that does not read so is left out."""
+    out = []
+    for entry in raw:
+        at, _, limit = entry.decode().partition(":")
+        if at.isdigit() and limit.isdigit():
+            out.append([int(at), int(limit)])
+    return out
+
+
 class EngineReading(msgspec.Struct, frozen=True):
     """An engine's load as the worker last read it (workers/engine_metrics.py), kept as JSON
     in the provider's hash (field ``engine``); None where the engine does not say."""

@@ -11,11 +11,12 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 
+from dispatcher import catalog, keys
 from dispatcher import config as cfg
-from dispatcher import keys
 from dispatcher.capability_flags import LifecycleFlags
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
+from dispatcher.plans import Plans
 from tests.dispatcher.test_flow_control import FairHarness
 from tests.dispatcher.test_scripts import Harness
 
@@ -423,3 +424,22 @@ async def test_without_flow_control_there_are_no_tenants(h: Harness) -> None:
     assert all(m.tenants == [] for m in doc.models)
     assert next(m for m in doc.models if m.id == "qwen").queued == 1
     assert json.loads(msgspec.json.encode(doc))["tenants"] == []
+
+
+async def test_what_a_config_implies_is_built_once_per_config(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[cfg.Config] = []
+    real = catalog.Plans
+
+    def counting(config: cfg.Config) -> Plans:
+        built.append(config)
+        return real(config)
+
+    monkeypatch.setattr(catalog, "Plans", counting)
+    first, _ = await read(h)
+    again, _ = await read(h)
+    assert built == [h.config]
+    assert [p.id for p in again.providers] == [p.id for p in first.providers]
+    other = catalog_config()  # an equal config, but another one (a reload): built anew
+    await read_catalog(h.redis, other)
+    assert len(built) == 2
+    assert built[1] is other

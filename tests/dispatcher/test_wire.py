@@ -196,3 +196,9 @@ def test_the_token_window_fields_are_those_finish_writes() -> None:
     assert written == {"tok_t0", "tok_cur", "tok_prev"}
     assert re.search(rf"now - t0 >= {wire.TOKEN_BUCKET_MS}\b", scripts.source("finish"))
     assert re.search(rf"t0 \+ {wire.TOKEN_BUCKET_MS}\b", scripts.source("finish"))
+
+
+def test_the_capacity_history_is_read_as_capacity_lua_writes_it() -> None:
+    assert "redis.call('RPUSH', HISTORY, now .. ':' .. report.capacity)" in scripts.source("capacity")
+    assert wire.capacity_history([b"1700000000000:4", b"1700000000500:12", b"x:1", b"5:", b"7:-1"]) == [
+        [1_700_000_000_000, 4], [1_700_000_000_500, 12]]
