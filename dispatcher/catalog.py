@@ -504,17 +504,11 @@ def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
     return out
 
 
-def _engine_view(fields: dict[str, str], now: int) -> EngineView | None:
-    raw = fields.get("engine")
-    if not raw:
+def _engine_view(load: wire.ProviderLoad, now: int) -> EngineView | None:
+    reading, age = load.engine, load.engine_age_ms(now)
+    if reading is None or age is None:
         return None
-    try:
-        reading = msgspec.json.decode(raw, type=wire.EngineReading)
-    except msgspec.DecodeError:
-        return None
-    published = int(fields.get("engine_ms") or now)
-    return EngineView(reading.running, reading.waiting, reading.kv_usage,
-                      reading.age_ms + max(now - published, 0))
+    return EngineView(reading.running, reading.waiting, reading.kv_usage, age)
 
 
 def _provider_view(
@@ -522,17 +516,15 @@ def _provider_view(
     history: list[list[int]] | None = None,
 ) -> ProviderView:
     health, reason = classify(fields, now)
+    load = wire.provider_load(fields)
     default = prov.capacity_bounds[0] if prov.auto else prov.fixed_capacity
-    capacity = int(fields["capacity"]) if "capacity" in fields else default
-    in_flight = int(fields.get("in_flight", 0))
-    external = int(fields.get("ext") or 0)
-    hold_until = int(fields.get("hold_until") or 0)
-    svc = float(fields.get("svc_ms") or 0)
+    capacity = load.capacity if load.capacity is not None else default
+    in_flight, external, hold_until = load.in_flight, load.external, load.hold_until_ms
     reported = _json_list(fields.get("reported_models"))
     endpoints = _json_list(fields.get("endpoints"))
     missing = [m for m in prov.models if reported is not None and m not in reported]
     hb_ms = fields.get("hb_ms")
-    prompt_tokens, cached_tokens = int(fields.get("prompt_tokens", 0)), int(fields.get("cached_tokens", 0))
+    prompt_tokens, cached_tokens = load.prompt_tokens, load.cached_tokens
     ejection, evidence = _ejection(fields, now)
     return ProviderView(
         id=prov.id,
@@ -563,10 +555,10 @@ def _provider_view(
         evidence=evidence,
         capacity_mode="auto" if prov.auto else "fixed",
         capacity_bounds=list(prov.capacity_bounds) if prov.auto else None,
-        capacity_reason=fields.get("cap_reason", "") if prov.auto else "",
+        capacity_reason=load.capacity_reason if prov.auto else "",
         capacity_history=history or [],
-        engine=_engine_view(fields, now),
+        engine=_engine_view(load, now),
         external_load=external,
-        rate_limited=RateLimitView(hold_until, fields.get("hold_reason", "")) if hold_until > now else None,
-        service_ms=svc or None,
+        rate_limited=RateLimitView(hold_until, load.hold_reason) if hold_until > now else None,
+        service_ms=load.service_ms or None,
     )

@@ -190,6 +190,52 @@ class EngineReading(msgspec.Struct, frozen=True):
 
 # --- what the scripts write into a provider's hash (``{iop}:p:<provider>``) -------------------
 
+
+class ProviderLoad(msgspec.Struct, frozen=True):
+    """A provider's load as its hash holds it: what ``lua/capacity.lua`` writes of a worker's
+    :class:`CapacityReport` (capacity, capacity_mode, ext, hold_until, hold_reason,
+    cap_reason, engine, engine_ms, svc_ms), in_flight (moved by dispatch and release only) and
+    the prompt and cached token totals ``lua/finish.lua`` adds to. :func:`provider_load`
+    reads it."""
+
+    capacity: int | None  # the limit in force; None before the first report or heartbeat
+    capacity_mode: str
+    in_flight: int
+    external: int  # ext
+    hold_until_ms: int  # hold_until: nothing new goes there until then (0: none)
+    hold_reason: str
+    capacity_reason: str  # cap_reason: why the learned limit last moved
+    engine: EngineReading | None
+    engine_ms: int | None  # when ``engine`` was published (server ms)
+    service_ms: float  # svc_ms (0: not known)
+    prompt_tokens: int
+    cached_tokens: int
+
+    def engine_age_ms(self, now_ms: int) -> int | None:
+        """How old the engine's reading is now (None: no reading)."""
+        if self.engine is None:
+            return None
+        return self.engine.age_ms + max(now_ms - (self.engine_ms or now_ms), 0)
+
+
+def provider_load(fields: dict[str, str]) -> ProviderLoad:
+    """The load fields of a provider's hash (decoded to str)."""
+    engine = None
+    if fields.get("engine"):
+        try:
+            engine = msgspec.json.decode(fields["engine"], type=EngineReading)
+        except msgspec.DecodeError:
+            engine = None
+    return ProviderLoad(
+        capacity=int(fields["capacity"]) if "capacity" in fields else None,
+        capacity_mode=fields.get("capacity_mode", ""), in_flight=int(fields.get("in_flight", 0)),
+        external=int(fields.get("ext") or 0), hold_until_ms=int(fields.get("hold_until") or 0),
+        hold_reason=fields.get("hold_reason", ""), capacity_reason=fields.get("cap_reason", ""), engine=engine,
+        engine_ms=int(fields["engine_ms"]) if fields.get("engine_ms") else None,
+        service_ms=float(fields.get("svc_ms") or 0), prompt_tokens=int(fields.get("prompt_tokens", 0)),
+        cached_tokens=int(fields.get("cached_tokens", 0)))
+
+
 EJECTION_KINDS = ("consecutive_5xx", "failure_rate", "trial")
 
 

@@ -202,3 +202,25 @@ def test_the_capacity_history_is_read_as_capacity_lua_writes_it() -> None:
     assert "redis.call('RPUSH', HISTORY, now .. ':' .. report.capacity)" in scripts.source("capacity")
     assert wire.capacity_history([b"1700000000000:4", b"1700000000500:12", b"x:1", b"5:", b"7:-1"]) == [
         [1_700_000_000_000, 4], [1_700_000_000_500, 12]]
+
+
+def test_provider_load_reads_what_capacity_lua_writes() -> None:
+    hset = re.search(r"redis\.call\('HSET', PROVIDER, (.*?)\)\nif report\.moved", scripts.source("capacity"), re.S)
+    assert hset is not None
+    written = set(re.findall(r"'([a-z_]+)', ", hset.group(1)))
+    assert written == {"capacity", "capacity_mode", "ext", "hold_until", "hold_reason", "cap_reason", "engine",
+                       "engine_ms", "svc_ms"}
+    report = wire.CapacityReport(capacity=6, mode="auto", external=2, hold_ms=0, reason="latency rose",
+                                 engine=wire.encode(wire.EngineReading(3, 1, 0.5, 40)).decode(), service_ms=812.5)
+    fields = {"capacity": "6", "capacity_mode": report.mode, "ext": "2", "hold_until": "0", "hold_reason": "",
+              "cap_reason": report.reason, "engine": report.engine, "engine_ms": str(NOW - 60), "svc_ms": "812.5",
+              "in_flight": "4", "prompt_tokens": "100", "cached_tokens": "25"}
+    load = wire.provider_load(fields)
+    assert (load.capacity, load.capacity_mode, load.in_flight, load.external) == (6, "auto", 4, 2)
+    assert (load.hold_until_ms, load.capacity_reason, load.service_ms) == (0, "latency rose", 812.5)
+    assert load.engine == wire.EngineReading(3, 1, 0.5, 40)
+    assert load.engine_age_ms(NOW) == 100
+    assert (load.prompt_tokens, load.cached_tokens) == (100, 25)
+    empty = wire.provider_load({})
+    assert (empty.capacity, empty.engine, empty.engine_age_ms(NOW), empty.in_flight) == (None, None, None, 0)
+    assert wire.provider_load({"engine": "not json"}).engine is None
