@@ -471,7 +471,7 @@ async def cost(active: int | None, depth: int, calls: int) -> Cost:
         calls_ = ScriptCalls(scripts, config, Plans(config))
         assert calls_.plans.fair == (active is not None)
         api = ApiSide(calls_, redis, "bench")
-        node = WorkerSide(calls_, redis, "n1", fast)
+        node = WorkerSide(lambda: calls_, redis, "n1", fast)
         lane = calls_.plans.main_lane("m")
         await scripts.load()
         await node.heartbeat("p", "available", [("capacity", 1)])

@@ -56,7 +56,7 @@ async def measure(depth: int, calls: int) -> list[str]:
         scripts = Scripts(redis, fast)
         script_calls = ScriptCalls(scripts, config, Plans(config))
         jobs = ApiSide(script_calls, redis, "bench")
-        slots = WorkerSide(script_calls, redis, "n1", fast)
+        slots = WorkerSide(lambda: script_calls, redis, "n1", fast)
         model = script_calls.plans.main_lane(config.models[0].id)
         await scripts.load()
         await slots.heartbeat("p", "available", [("capacity", 1)])

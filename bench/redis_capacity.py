@@ -195,7 +195,8 @@ class SimulatedWorker:
         self.redis = connect(url)
         self.fast = connect_fast(url)
         self.stream_conn = connect_fast(url)  # XREADGROUP BLOCK holds its connection, as in the worker
-        self.slots = WorkerSide(script_calls(self.redis, self.fast, config), self.redis, node_id, self.fast)
+        calls = script_calls(self.redis, self.fast, config)
+        self.slots = WorkerSide(lambda: calls, self.redis, node_id, self.fast)
         self.node_id = node_id
         self.provider_id = next(node.providers[0].id for node in config.nodes if node.id == node_id)
         self.top = top
@@ -651,7 +652,8 @@ async def submit_load(servers: Servers, mode: str, args: argparse.Namespace) -> 
         fast = connect_fast(servers.url)
     await Scripts(redis).load()
     jobs = ApiSide(script_calls(redis, fast, config), redis, "api0")
-    slots = WorkerSide(script_calls(redis, None, config), redis, "n0")
+    worker_calls = script_calls(redis, None, config)
+    slots = WorkerSide(lambda: worker_calls, redis, "n0")
     await slots.heartbeat("p0", "available", [("capacity", 10**6)])
     body = request_body(args.body_bytes)
     ids = itertools.count()
@@ -835,7 +837,7 @@ class CostRig:
         assert plans.fair == (tenants is not None)
         assert sum(len(ls) for ls in plans.lanes_by_model.values()) == lanes
         self.api = ApiSide(calls, self.admin, COST_REPLICA)
-        self.node = WorkerSide(calls, self.admin, COST_NODE, self.fast)
+        self.node = WorkerSide(lambda: calls, self.admin, COST_NODE, self.fast)
         self.lanes: list[Lane] = [plans.main_lane(model.id) for model in config.models]
         self.tenants = [Tenant(f"t{i}", 0) for i in range(tenants)] if tenants is not None else []
         self.body = request_body(1024)

@@ -1,10 +1,11 @@
 """The read-only provider catalog: what every provider of every pool looks
 like right now, read from Redis, so every API replica shows the same thing.
 
-Health uses exactly the dispatcher's rule (``lua/lib/pump.lua``): a provider is
-*available* when its worker reported it healthy, its heartbeat is fresh and its
-capacity is above zero. Otherwise it is *unavailable* (it answered, badly: the probe's
-reason) or *unknown* (no fresh word from its worker: never seen, or a stale heartbeat).
+Health uses exactly the dispatcher's rule (``lua/lib/unavailable_reason.lua``, read in
+Python by ``dispatcher/wire.py`` ProviderHealth): a provider is *available* when its worker
+reported it healthy, its heartbeat is fresh and its capacity is above zero. Otherwise it is
+*unavailable* (it answered, badly: the probe's reason; or a reload removed it) or *unknown*
+(no fresh word from its worker: never seen, or a stale heartbeat).
 
 With flow control (``dispatcher/tenants.py``) it also shows who waits and runs: each
 configured tenant's band, weight, limits and totals, and per model group the tenants with
@@ -16,9 +17,10 @@ read, so a stale counter of a tenant no longer in the config never shows.
 from __future__ import annotations
 
 import json
-import math
 import time
-from typing import Any, cast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -215,18 +217,16 @@ class Catalog(msgspec.Struct):
 
 
 def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
-    """(health, reason) of a provider's Redis hash, by the dispatcher's own rule. An
-    ejected provider is unavailable, saying why and until when (a lane with no other
-    provider that can take work still uses it: lua/lib/pump.lua)."""
-    if "hb_ms" not in fields:
-        return "unknown", "never seen: no heartbeat from its worker yet"
-    if int(fields.get("hb_exp", 0)) < now_ms:
-        age_s = (now_ms - int(fields["hb_ms"])) / 1000
-        return "unknown", f"stale heartbeat: last one {age_s:.1f}s ago"
-    if fields.get("health") != "available":
-        return "unavailable", fields.get("reason") or "reported unavailable"
-    if int(fields.get("capacity", 0)) <= 0:
-        return "unavailable", "capacity 0"
+    """(health, reason) of a provider's Redis hash, by the dispatcher's own rule
+    (``wire.ProviderHealth``, which is ``lua/lib/unavailable_reason.lua``'s): *unknown* while
+    its worker is silent, *unavailable* for any other reason -- a drain aside, which the
+    view shows apart (health stays the probe's word). An ejected provider is unavailable,
+    saying why and until when (a lane with no other provider that can take work still uses
+    it: lua/lib/usable.lua)."""
+    reasons = [(kind, words) for kind, words in wire.provider_health(fields).reasons(now_ms) if kind != "drained"]
+    if reasons:
+        kind, words = reasons[0]
+        return ("unknown" if kind in ("never_seen", "stale") else "unavailable"), words
     ej = wire.ejection_state(fields)
     if ej.ejected(now_ms):
         return "unavailable", f"ejected: {ej.reason}; on trial again at {clock(ej.until_ms or 0)}"
@@ -249,30 +249,6 @@ def _ejection(fields: dict[str, str], now_ms: int) -> tuple[EjectionView | None,
     if ej.streak or ej.excused or any(ej.ejections.values()):
         evidence = EvidenceView(ej.streak, ej.excused, ej.ejections)
     return view, evidence
-
-
-TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket
-
-
-def tokens_per_s(fields: dict[str, str], now_ms: int) -> float:
-    """Completion tokens per second the provider generated over the last bucket's length,
-    from ``lua/finish.lua``'s two buckets: the current one whole, the one before weighted by
-    how much of it the window still covers. Buckets the scripts have not rolled over yet
-    (no job finished since) are rolled here, so an idle provider falls to 0 within two
-    buckets. A job's tokens count when it finishes, so a long stream lands all at once."""
-    try:
-        t0 = int(fields["tok_t0"])
-        cur = float(fields.get("tok_cur") or 0)
-        prev = float(fields.get("tok_prev") or 0)
-    except (KeyError, ValueError):
-        return 0.0
-    elapsed = max(now_ms - t0, 0)
-    if elapsed >= 2 * TOKEN_BUCKET_MS:
-        return 0.0
-    if elapsed >= TOKEN_BUCKET_MS:
-        prev, cur, elapsed = cur, 0.0, elapsed - TOKEN_BUCKET_MS
-    covered = 1 - elapsed / TOKEN_BUCKET_MS
-    return round((prev * covered + cur) / (TOKEN_BUCKET_MS / 1000), 3)
 
 
 def _json_list(raw: str | None) -> list[str] | None:
@@ -303,82 +279,129 @@ def _tenants(config: Config) -> tuple[list[Tenant], bool]:
     return named, bool(config.api.api_keys_env or not config.api.keys)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What the catalog reads for one config, and how it groups it: built once per config
+    (a frozen one: a reload brings a new object), not at every read."""
+
+    providers: list[tuple[str, ProviderConfig]]  # (node id, provider), config order
+    learning: list[ProviderConfig]  # capacity: auto (their limit's history is read)
+    # A model group waits in several lanes (dispatcher/plans.py): its queue is all of them.
+    lanes: list[tuple[str, str]]  # (model id, queue key)
+    affine: list[ModelConfig]  # models with cache-aware dispatch
+    tenants: list[Tenant]
+    default_configured: bool
+    band_names: list[str]
+    model_ids: list[str]
+    counter_fields: list[str]  # of {iop}:tenants
+    limited: list[Tenant]  # tenants with rate limits or a budget
+    groups_of: dict[str, list[str]]  # provider id -> its model groups
+
+    @classmethod
+    def of(cls, config: Config) -> _Layout:
+        tenants, default_configured = _tenants(config)
+        model_ids = [m.id for m in config.models]
+        providers = [(node.id, prov) for node, prov in config.providers()]
+        groups_of: dict[str, list[str]] = {}
+        for model in config.models:
+            for pid in model.providers:
+                groups_of.setdefault(pid, []).append(model.id)
+        plans = Plans(config)
+        return cls(
+            providers=providers, learning=[prov for _, prov in providers if prov.auto],
+            lanes=[(model.id, lane.queue) for model in config.models for lane in plans.lanes_by_model[model.id]],
+            affine=[m for m in config.models if m.affinity.mode != "off"],
+            tenants=tenants, default_configured=default_configured, band_names=bands(config), model_ids=model_ids,
+            counter_fields=_counter_fields(tenants, model_ids), limited=[t for t in tenants if t.limits],
+            groups_of=groups_of)
+
+
+_LAYOUTS: dict[int, tuple[Config, _Layout]] = {}  # id(config) -> the config (which keeps the id its own), layout
+_LAYOUTS_KEPT = 4
+
+
+def _layout(config: Config) -> _Layout:
+    found = _LAYOUTS.get(id(config))
+    if found is not None and found[0] is config:
+        return found[1]
+    layout = _Layout.of(config)
+    if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    _LAYOUTS[id(config)] = (config, layout)
+    return layout
+
+
 def _counter_fields(tenants: list[Tenant], model_ids: list[str]) -> list[str]:
     """The ``{iop}:tenants`` fields read, per tenant: its totals, then each model group's."""
     return [f"{kind}:{t.name}{suffix}" for t in tenants for suffix in ["", *(f":{m}" for m in model_ids)]
             for kind in ("q", "r")]
 
 
-def _affinity_views(models: list[ModelConfig], replies: list[Any]) -> dict[str, AffinityView]:
-    """``replies``: each model's index size (ZCARD), then the decision counters (HGETALL)."""
-    if not models:
-        return {}
-    stats = {k.decode(): int(v) for k, v in cast(dict[bytes, bytes], replies[-1]).items()}
+def _affinity_views(models: list[ModelConfig], blocks: list[int], stats: dict[str, int]) -> dict[str, AffinityView]:
+    """``blocks``: each model's index size; ``stats``: the decision counters."""
     views = {}
-    for model, blocks in zip(models, replies[:-1], strict=True):
+    for model, size in zip(models, blocks, strict=True):
         decisions = {r: stats.get(f"{model.id}\t{r}", 0) for r in ("hit", "miss", "spill")}
-        views[model.id] = AffinityView(model.affinity.mode, model.affinity.load_bound, int(blocks),
+        views[model.id] = AffinityView(model.affinity.mode, model.affinity.load_bound, size,
                                        model.affinity.index_max_blocks, decisions)
     return views
 
 
+def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
 async def read_catalog(redis: Redis, config: Config) -> Catalog:
-    providers = [(node.id, prov) for node, prov in config.providers()]
-    # A model group waits in several lanes (dispatcher/plans.py): its queue is all of them.
-    lanes = [(model.id, lane.queue) for model in config.models for lane in Plans(config).lanes_by_model[model.id]]
-    tenants, default_configured = _tenants(config)
-    band_names = bands(config)
-    model_ids = [m.id for m in config.models]
-    counter_fields = _counter_fields(tenants, model_ids)
+    lay = _layout(config)
+    limit_fields = [wire.TenantLimitState.fields(t.name) for t in lay.limited]
     async with redis.pipeline(transaction=False) as pipe:
+        # Read back below in this order, each group as it was asked.
         pipe.time()
-        for _, prov in providers:
+        for _, prov in lay.providers:
             pipe.hgetall(keys.provider(prov.id))
-        learning = [prov for _, prov in providers if prov.auto]
-        for prov in learning:
+        for prov in lay.learning:
             pipe.lrange(keys.capacity_history(prov.id), 0, -1)
-        for _, queue in lanes:
+        for _, queue in lay.lanes:
             pipe.zcard(queue)
             pipe.zrange(queue, 0, 0, withscores=True)
-        affine = [m for m in config.models if m.affinity.mode != "off"]
-        for model in affine:
+        for model in lay.affine:
             pipe.zcard(keys.affinity_recency(model.id))
-        if affine:
+        if lay.affine:
             pipe.hgetall(keys.AFFINITY_STATS)
-        if counter_fields:
-            pipe.hmget(keys.TENANTS, counter_fields)
-        limited = any(t.limits for t in tenants)
-        if limited:
-            pipe.hgetall(keys.LIMITS)
-        replies: list[Any] = await pipe.execute()
-    limit_state = ({k.decode(): v.decode() for k, v in cast(dict[bytes, bytes], replies.pop()).items()}
-                   if limited else {})
-    counters = _counters(counter_fields, replies.pop() if counter_fields else [])
-    affinity_views = _affinity_views(affine, replies[len(replies) - len(affine) - 1:] if affine else [])
-    if affine:
-        del replies[len(replies) - len(affine) - 1:]
-    sec, usec = replies[0]
+        if lay.counter_fields:
+            pipe.hmget(keys.TENANTS, lay.counter_fields)
+        for names in limit_fields:
+            pipe.hmget(keys.LIMITS, names)
+        replies: Iterator[Any] = iter(await pipe.execute())
+
+    def take(n: int) -> list[Any]:
+        return [next(replies) for _ in range(n)]
+
+    sec, usec = next(replies)
     now = int(sec) * 1000 + int(usec) // 1000
-    hashes = [
-        {k.decode(): v.decode() for k, v in cast(dict[bytes, bytes], h).items()}
-        for h in replies[1 : 1 + len(providers)]
-    ]
-    histories = {prov.id: _history(raw) for prov, raw in
-                 zip(learning, replies[1 + len(providers):1 + len(providers) + len(learning)], strict=True)}
-    del replies[1 + len(providers):1 + len(providers) + len(learning)]
-    queue_replies = replies[1 + len(providers) : 1 + len(providers) + 2 * len(lanes)]
-    queued = {m.id: 0 for m in config.models}
+    hashes = [_text(h) for h in take(len(lay.providers))]
+    histories = {prov.id: wire.capacity_history(raw)
+                 for prov, raw in zip(lay.learning, take(len(lay.learning)), strict=True)}
+    queue_replies = take(2 * len(lay.lanes))
+    affinity_views = _affinity_views(
+        lay.affine, [int(n) for n in take(len(lay.affine))],
+        {k: int(v) for k, v in _text(next(replies)).items()} if lay.affine else {})
+    counters = _counters(lay.counter_fields, next(replies) if lay.counter_fields else [])
+    limit_states = {t.name: wire.tenant_limit_state([None if v is None else v.decode() for v in raw])
+                    for t, raw in zip(lay.limited, take(len(lay.limited)), strict=True)}
+
+    queued = {m: 0 for m in lay.model_ids}
     head_seq: dict[str, tuple[float, str]] = {}
-    for i, (model_id, _) in enumerate(lanes):
-        queued[model_id] += int(queue_replies[2 * i])
-        if queue_replies[2 * i + 1]:
-            job, seq = queue_replies[2 * i + 1][0]
+    for (model_id, _), count, head in zip(lay.lanes, queue_replies[::2], queue_replies[1::2], strict=True):
+        queued[model_id] += int(count)
+        if head:
+            job, seq = head[0]
             if model_id not in head_seq or seq < head_seq[model_id][0]:
                 head_seq[model_id] = (seq, job.decode())
-    if counter_fields and flow_control(config):
+    if lay.counter_fields and flow_control(config):
         # A tenant at its max_in_flight has its waiting jobs parked outside the lanes
-        # (lib/pump.lua park_job): the tenants' counters count every waiting job.
-        queued = {m: sum(counters.get(f"q:{t.name}:{m}", 0) for t in tenants) for m in queued}
+        # (lib/park_job.lua): the tenants' counters count every waiting job.
+        queued = {m: sum(counters.get(f"q:{t.name}:{m}", 0) for t in lay.tenants) for m in queued}
     heads = {model_id: job for model_id, (_, job) in head_seq.items()}
     head_records = await redis.hmget(keys.JOBS, list(heads.values())) if heads else []
     oldest: dict[str, int] = {}
@@ -386,18 +409,13 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         if raw is not None:
             oldest[model_id] = max(now - int(json.loads(raw).get("submitted_ms", now)), 0)
 
-    groups_of: dict[str, list[str]] = {}
-    for model in config.models:
-        for pid in model.providers:
-            groups_of.setdefault(pid, []).append(model.id)
-
     views: dict[str, ProviderView] = {}
-    for (node_id, prov), fields in zip(providers, hashes, strict=True):
-        views[prov.id] = _provider_view(node_id, prov, fields, now, groups_of.get(prov.id, []), queued,
+    for (node_id, prov), fields in zip(lay.providers, hashes, strict=True):
+        views[prov.id] = _provider_view(node_id, prov, fields, now, lay.groups_of.get(prov.id, []), queued,
                                         histories.get(prov.id, []))
 
     figures = await read_live(redis, [(pid, m.id) for m in config.models for pid in m.providers if pid in views],
-                              {prov.id: h for (_, prov), h in zip(providers, hashes, strict=True)}, now)
+                              {prov.id: h for (_, prov), h in zip(lay.providers, hashes, strict=True)}, now)
     for pid, live in figures.items():
         views[pid].live, views[pid].live_by_model = live.total, live.by_model
 
@@ -414,7 +432,7 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
                    for c in cands if c.health == "available" and views[c.provider].drain is None
                    and views[c.provider].rate_limited is None)
         uses = [TenantUse(t.name, counters.get(f"q:{t.name}:{model.id}", 0), counters.get(f"r:{t.name}:{model.id}", 0))
-                for t in tenants]
+                for t in lay.tenants]
         uses = [u for u in uses if u.queued or u.in_flight]
         models.append(ModelView(model.id, model.display_name or model.id, cands, queued[model.id],
                                 oldest.get(model.id), free, uses, affinity_views.get(model.id)))
@@ -428,19 +446,19 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     tenant_views = [
         TenantView(
             name=t.name,
-            band=band_names[t.band],
+            band=lay.band_names[t.band],
             weight=t.weight,
-            models=None if t.models is None else [m for m in model_ids if t.allows(m)],
+            models=None if t.models is None else [m for m in lay.model_ids if t.allows(m)],
             max_queued=t.max_queued,
             max_in_flight=t.max_in_flight,
             queued=counters.get(f"q:{t.name}", 0),
             in_flight=counters.get(f"r:{t.name}", 0),
-            limits=_limits_view(t, limit_state, now),
+            limits=_limits_view(t, limit_states.get(t.name), now),
         )
-        for t in tenants
+        for t in lay.tenants
     ]
     tenant_views = [v for v in tenant_views
-                    if v.name != DEFAULT_TENANT or default_configured or v.queued or v.in_flight]
+                    if v.name != DEFAULT_TENANT or lay.default_configured or v.queued or v.in_flight]
     return Catalog(now, list(views.values()), models, nodes, tenant_views)
 
 
@@ -458,25 +476,20 @@ def _slots_now(capacity: int, view: ProviderView) -> int:
     return min(capacity, 1) if view.ejection is not None and view.ejection.state == "on_trial" else capacity
 
 
-def _limits_view(t: Tenant, state: dict[str, str], now: int) -> TenantLimitsView | None:
+def _limits_view(t: Tenant, state: wire.TenantLimitState | None, now: int) -> TenantLimitsView | None:
     lim = t.limits
-    if lim is None:
+    if lim is None or state is None:
         return None
 
-    def used(field: str, per_minute: int | None) -> int:
-        # '<arrival time ms>|<the limit it was computed under>' (lua/lib/limits.lua).
-        tat, _, under = state.get(f"{field}:{t.name}", "").partition("|")
-        if not per_minute or not tat:
-            return 0
-        return math.ceil(max(float(tat) - now, 0) * int(under or per_minute) / 60_000 - 1e-9)
+    def used(window: wire.LimitWindow | None, per_minute: int | None) -> int:
+        return window.used(now, per_minute) if per_minute and window is not None else 0
 
-    day, _, today = state.get(f"d:{t.name}", "").partition(":")
     return TenantLimitsView(
-        requests_per_minute=lim.requests_per_minute, requests_used=used("r", lim.requests_per_minute),
-        tokens_per_minute=lim.tokens_per_minute, tokens_used=used("t", lim.tokens_per_minute),
+        requests_per_minute=lim.requests_per_minute, requests_used=used(state.requests, lim.requests_per_minute),
+        tokens_per_minute=lim.tokens_per_minute, tokens_used=used(state.tokens, lim.tokens_per_minute),
         tokens_per_day=lim.tokens_per_day,
-        tokens_used_today=max(int(today), 0) if day and int(day) == now // 86_400_000 else 0,
-        refused={kind: int(state.get(f"x:{t.name}:{kind}", 0)) for kind in ("requests", "tokens", "budget")})
+        tokens_used_today=state.budget.used_on(now // 86_400_000) if state.budget is not None else 0,
+        refused=state.refused)
 
 
 def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
@@ -491,27 +504,11 @@ def _counters(fields: list[str], values: list[bytes | None]) -> dict[str, int]:
     return out
 
 
-def _history(raw: list[bytes]) -> list[list[int]]:
-    """``lua/capacity.lua``'s '<ms>:<limit>' entries."""
-    out = []
-    for entry in raw:
-        at, _, limit = entry.decode().partition(":")
-        if at.isdigit() and limit.isdigit():
-            out.append([int(at), int(limit)])
-    return out
-
-
-def _engine_view(fields: dict[str, str], now: int) -> EngineView | None:
-    raw = fields.get("engine")
-    if not raw:
+def _engine_view(load: wire.ProviderLoad, now: int) -> EngineView | None:
+    reading, age = load.engine, load.engine_age_ms(now)
+    if reading is None or age is None:
         return None
-    try:
-        reading = msgspec.json.decode(raw, type=wire.EngineReading)
-    except msgspec.DecodeError:
-        return None
-    published = int(fields.get("engine_ms") or now)
-    return EngineView(reading.running, reading.waiting, reading.kv_usage,
-                      reading.age_ms + max(now - published, 0))
+    return EngineView(reading.running, reading.waiting, reading.kv_usage, age)
 
 
 def _provider_view(
@@ -519,17 +516,15 @@ def _provider_view(
     history: list[list[int]] | None = None,
 ) -> ProviderView:
     health, reason = classify(fields, now)
+    load = wire.provider_load(fields)
     default = prov.capacity_bounds[0] if prov.auto else prov.fixed_capacity
-    capacity = int(fields["capacity"]) if "capacity" in fields else default
-    in_flight = int(fields.get("in_flight", 0))
-    external = int(fields.get("ext") or 0)
-    hold_until = int(fields.get("hold_until") or 0)
-    svc = float(fields.get("svc_ms") or 0)
+    capacity = load.capacity if load.capacity is not None else default
+    in_flight, external, hold_until = load.in_flight, load.external, load.hold_until_ms
     reported = _json_list(fields.get("reported_models"))
     endpoints = _json_list(fields.get("endpoints"))
     missing = [m for m in prov.models if reported is not None and m not in reported]
     hb_ms = fields.get("hb_ms")
-    prompt_tokens, cached_tokens = int(fields.get("prompt_tokens", 0)), int(fields.get("cached_tokens", 0))
+    prompt_tokens, cached_tokens = load.prompt_tokens, load.cached_tokens
     ejection, evidence = _ejection(fields, now)
     return ProviderView(
         id=prov.id,
@@ -552,7 +547,7 @@ def _provider_view(
         endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),
         slots=_slots(fields.get("slots")),
         drain=drain_state(fields.get("drain"), in_flight),
-        tokens_per_s=tokens_per_s(fields, now),
+        tokens_per_s=window.per_s(now) if (window := wire.token_window(fields)) is not None else 0.0,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         cache_hit_rate=round(cached_tokens / prompt_tokens, 4) if cached_tokens and prompt_tokens else None,
@@ -560,10 +555,10 @@ def _provider_view(
         evidence=evidence,
         capacity_mode="auto" if prov.auto else "fixed",
         capacity_bounds=list(prov.capacity_bounds) if prov.auto else None,
-        capacity_reason=fields.get("cap_reason", "") if prov.auto else "",
+        capacity_reason=load.capacity_reason if prov.auto else "",
         capacity_history=history or [],
-        engine=_engine_view(fields, now),
+        engine=_engine_view(load, now),
         external_load=external,
-        rate_limited=RateLimitView(hold_until, fields.get("hold_reason", "")) if hold_until > now else None,
-        service_ms=svc or None,
+        rate_limited=RateLimitView(hold_until, load.hold_reason) if hold_until > now else None,
+        service_ms=load.service_ms or None,
     )

@@ -16,6 +16,7 @@ tenant counters with its job records).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,9 +24,11 @@ import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from dispatcher import events, keys
+from dispatcher import events, keys, wire
+from dispatcher.config import Config
 from dispatcher.events import Failed, decode_record
 from dispatcher.exceptions import WorkerLost
+from dispatcher.plans import Lane
 from dispatcher.script_calls import CancelReason, Correction, ReapOutcome, Round, ScriptCalls
 
 log = logging.getLogger("iop.reaper")
@@ -65,22 +68,37 @@ class ReapStats:
 
 
 class Reaper:
-    def __init__(self, calls: ScriptCalls, redis: Redis, owner: str) -> None:
+    """``calls``: the script calls of the config in force, or how to get them at each use (a
+    process whose reload swaps them: workers/worker.py); a round's period is the first
+    config's (``dispatch`` changes only at a restart)."""
+
+    def __init__(self, calls: ScriptCalls | Callable[[], ScriptCalls], redis: Redis, owner: str) -> None:
         self.redis = redis
         self.owner = owner
         self.rounds = 0
         # Server ms before which a round does not judge providers by their heartbeats.
         self._judge_providers_after = 0
-        self.use(calls)
+        self._calls: Callable[[], ScriptCalls] = calls if callable(calls) else (lambda: calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
         )
 
     def use(self, calls: ScriptCalls) -> None:
-        """Work from ``calls``' config from now on (a reload); the round period stays."""
-        self.calls = calls
-        self.config = calls.config
-        self.provider_ids = [p.id for _, p in self.config.providers()]
+        """Work from ``calls``' config from now on (a reload, in a process that hands the
+        reaper its script calls: api/gateway.py)."""
+        self._calls = lambda: calls
+
+    @property
+    def calls(self) -> ScriptCalls:
+        return self._calls()
+
+    @property
+    def config(self) -> Config:
+        return self.calls.config
+
+    @property
+    def provider_ids(self) -> list[str]:
+        return [p.id for _, p in self.config.providers()]
 
     async def run_forever(self) -> None:
         """A round every ``reap_period_ms`` (when this process wins the lock), for good."""
@@ -136,7 +154,7 @@ class Reaper:
             queue = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
             if queue in known and queue not in pinned_only:
                 continue
-            moved += await self.calls.rehome_queue(queue, BATCH)
+            moved += await rehome_queue(self.calls, queue, BATCH)
         return moved
 
     async def refuse_unavailable(self) -> int:
@@ -235,3 +253,57 @@ class Reaper:
                 continue
             rec = decode_record(raw)
             await self.calls.cancel(job, keys.queue(rec.model, rec.lane), rec.replica, CancelReason.CLIENT)
+
+
+# --- waiting jobs in a lane queue no plan of this config pumps ---------------------------------
+
+
+async def rehome_queue(calls: ScriptCalls, queue: str, limit: int = BATCH) -> int:
+    """The first ``limit`` jobs waiting in ``queue``, a lane queue ``calls``' config does not
+    pump (a reload renamed or removed its lane), moved to the lane each belongs in now; those
+    pinned to a provider a reload removed answered 503. Returns how many moved. A reaper round
+    calls it for every such queue; a script call whose jobs came back to one (a requeue, an
+    unpark) for that queue at once."""
+    redis = calls.scripts.redis
+    jobs = cast(list[bytes], await redis.zrange(queue, 0, limit - 1))
+    if not jobs:
+        return 0
+    records = cast(list[bytes | None], await redis.hmget(keys.JOBS, jobs))
+    homes: dict[Lane, list[str]] = {}
+    homeless: dict[str, list[str]] = {}  # replica -> jobs
+    for raw_job, raw in zip(jobs, records, strict=True):
+        if raw is None:
+            continue
+        rec = decode_record(raw)
+        if rec.state != "q":
+            continue
+        lane = calls.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
+        if lane is None:
+            # Pinned to a provider a reload removed: its worker marked it so, or its
+            # heartbeat ran out. (One that is up is in a newer config than this process's,
+            # whose processes pump the job.)
+            if rec.pin and await gone(redis, rec.pin):
+                homeless.setdefault(rec.replica, []).append(raw_job.decode())
+        elif lane.queue != queue:
+            homes.setdefault(lane, []).append(raw_job.decode())
+    moved = 0
+    for lane, group in homes.items():
+        n, _ = await calls.rehome(queue, lane, group)
+        moved += n
+    if moved:
+        log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
+    for replica, group in homeless.items():
+        n = await calls.abandon(queue, replica, group)
+        log.warning("%d jobs waiting in %s are pinned to a provider a reload removed: answered", n, queue)
+    return moved
+
+
+async def gone(redis: Redis, provider: str) -> bool:
+    """Was ``provider`` removed (its worker's mark), or is its worker silent?"""
+    raw = cast(list[bytes | None], await redis.hmget(keys.provider(provider), wire.PROVIDER_HEALTH_FIELDS))
+    health = wire.provider_health({k: v.decode() for k, v in zip(wire.PROVIDER_HEALTH_FIELDS, raw, strict=True)
+                                   if v is not None})
+    if health.removed:
+        return True
+    seconds, micros = await redis.time()
+    return health.silent(seconds * 1000 + micros // 1000)

@@ -12,14 +12,14 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgspec
 from redis.exceptions import ResponseError
 
 from dispatcher import events, keys, wire
 from dispatcher.config import Config
-from dispatcher.events import Assignment, JobRecord, decode_record
+from dispatcher.events import Assignment, JobRecord
 from dispatcher.exceptions import ModelNotFound
 from dispatcher.fastredis import Arg
 from dispatcher.live import NO_SAMPLE, LiveSample
@@ -260,7 +260,7 @@ class ScriptCalls:
         reload renamed it -- its old key may even be another lane's now, a provider's own
         lane for pinned jobs), so that a retry finds its lane's other providers and a
         requeued job waits where it is pumped. When none is known, its old one
-        (``rehome_queue`` then settles it)."""
+        (``dispatcher/reaper.py`` rehome_queue then settles it)."""
         found = self._homes.get((model, lane, endpoint, pin))
         if found is None:
             home = self.plans.home_of(model, lane, endpoint, pin)
@@ -279,8 +279,12 @@ class ScriptCalls:
             queue = raw.decode()
             plan = self.plans.by_queue.get(queue)
             if plan is None:
-                # Moved where it belongs now (which pumps it there), not left for a reaper round.
-                await self.rehome_queue(queue)
+                # Moved where it belongs now (which pumps it there), not left for a reaper
+                # round. The reaper owns that rule and calls these script calls: imported here,
+                # where it is needed, not at the top, which would make the two a cycle.
+                from dispatcher.reaper import rehome_queue
+
+                await rehome_queue(self, queue)
             elif queue not in pumped:
                 ks, head = plan.args(keys.PUMP_KEYS, self._lease_ms)
                 await self._pump(self.scripts.wake, plan, ks, head)
@@ -338,52 +342,6 @@ class ScriptCalls:
         ks, head = plan.args((*keys.PUMP_KEYS, old_queue, lane.queue), self._lease_ms)
         moved, dispatched = await self._pump(self.scripts.rehome, plan, ks, [*head, lane.name, *jobs])
         return int(moved), int(dispatched)
-
-    async def rehome_queue(self, queue: str, limit: int = 200) -> int:
-        """The first ``limit`` jobs waiting in ``queue``, a lane queue this config does not pump (a
-        reload renamed or removed its lane), moved to the lane each belongs in now; those pinned
-        to a provider a reload removed answered 503. Returns how many moved."""
-        redis = self.scripts.redis
-        jobs = cast(list[bytes], await redis.zrange(queue, 0, limit - 1))
-        if not jobs:
-            return 0
-        records = cast(list[bytes | None], await redis.hmget(keys.JOBS, jobs))
-        homes: dict[Lane, list[str]] = {}
-        homeless: dict[str, list[str]] = {}  # replica -> jobs
-        for raw_job, raw in zip(jobs, records, strict=True):
-            if raw is None:
-                continue
-            rec = decode_record(raw)
-            if rec.state != "q":
-                continue
-            lane = self.plans.home_of(rec.model, rec.lane, rec.endpoint, rec.pin)
-            if lane is None:
-                # Pinned to a provider a reload removed: its worker marked it so, or its
-                # heartbeat ran out. (One that is up is in a newer config than this process's,
-                # whose processes pump the job.)
-                if rec.pin and await self._gone(rec.pin):
-                    homeless.setdefault(rec.replica, []).append(raw_job.decode())
-            elif lane.queue != queue:
-                homes.setdefault(lane, []).append(raw_job.decode())
-        moved = 0
-        for lane, group in homes.items():
-            n, _ = await self.rehome(queue, lane, group)
-            moved += n
-        if moved:
-            log.warning("%d jobs waiting in %s, a lane this config has not, moved to their lanes", moved, queue)
-        for replica, group in homeless.items():
-            n = await self.abandon(queue, replica, group)
-            log.warning("%d jobs waiting in %s are pinned to a provider a reload removed: answered", n, queue)
-        return moved
-
-    async def _gone(self, provider: str) -> bool:
-        """Was ``provider`` removed (its worker's mark), or is its worker silent?"""
-        redis = self.scripts.redis
-        removed, hb_exp = await redis.hmget(keys.provider(provider), "removed", "hb_exp")
-        if removed:
-            return True
-        seconds, micros = await redis.time()
-        return hb_exp is None or int(hb_exp) < seconds * 1000 + micros // 1000
 
     async def abandon(self, queue: str, replica: str, jobs: Sequence[str]) -> int:
         """Answer 503 the waiting ``jobs`` of ``queue`` (a lane this config has not), submitted by

@@ -1,12 +1,22 @@
-"""Wire formats of the Lua scripts' options: one Struct per script call, encoded as the one
-JSON table the script decodes (``local opts = cjson.decode(ARGV[n])``), so Lua and Python
-name every field alike and a new field is a change in two places, here and in the script.
-``tests/dispatcher/test_wire.py`` checks that each script reads exactly its Struct's fields.
+"""Wire formats between the Lua scripts and Python, each in one place.
 
-Fields are never None on the wire: ``cjson`` turns a JSON null into a truthy userdata.
+What Python sends: one Struct per script call, encoded as the one JSON table the script
+decodes (``local opts = cjson.decode(ARGV[n])``), so Lua and Python name every field alike
+and a new field is a change in two places, here and in the script. Fields are never None on
+the wire: ``cjson`` turns a JSON null into a truthy userdata.
+
+What the scripts write and Python reads back (the catalog, the reaper): a Struct each, and
+the function that reads it from a hash's fields, with the rule the scripts apply to it where
+Python needs the same answer (whether a provider can take work).
+
+``tests/dispatcher/test_wire.py`` holds both to the Lua: each script reads exactly its
+Struct's fields, and each reader and rule here answers what its script answers.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import msgspec
 
@@ -156,6 +166,18 @@ class CapacityReport(msgspec.Struct, frozen=True, omit_defaults=True):
     moved: bool = False  # the limit moved since the last report: added to its history
 
 
+def capacity_history(raw: list[bytes]) -> list[list[int]]:
+    """A provider's learned limit over time, ``keys.capacity_history`` as
+    ``lua/capacity.lua`` appends it ('<server ms>:<limit>' each time it moved): [ms, limit],
+    oldest first; an entry that does not read so is left out."""
+    out = []
+    for entry in raw:
+        at, _, limit = entry.decode().partition(":")
+        if at.isdigit() and limit.isdigit():
+            out.append([int(at), int(limit)])
+    return out
+
+
 class EngineReading(msgspec.Struct, frozen=True):
     """An engine's load as the worker last read it (workers/engine_metrics.py), kept as JSON
     in the provider's hash (field ``engine``); None where the engine does not say."""
@@ -167,6 +189,52 @@ class EngineReading(msgspec.Struct, frozen=True):
 
 
 # --- what the scripts write into a provider's hash (``{iop}:p:<provider>``) -------------------
+
+
+class ProviderLoad(msgspec.Struct, frozen=True):
+    """A provider's load as its hash holds it: what ``lua/capacity.lua`` writes of a worker's
+    :class:`CapacityReport` (capacity, capacity_mode, ext, hold_until, hold_reason,
+    cap_reason, engine, engine_ms, svc_ms), in_flight (moved by dispatch and release only) and
+    the prompt and cached token totals ``lua/finish.lua`` adds to. :func:`provider_load`
+    reads it."""
+
+    capacity: int | None  # the limit in force; None before the first report or heartbeat
+    capacity_mode: str
+    in_flight: int
+    external: int  # ext
+    hold_until_ms: int  # hold_until: nothing new goes there until then (0: none)
+    hold_reason: str
+    capacity_reason: str  # cap_reason: why the learned limit last moved
+    engine: EngineReading | None
+    engine_ms: int | None  # when ``engine`` was published (server ms)
+    service_ms: float  # svc_ms (0: not known)
+    prompt_tokens: int
+    cached_tokens: int
+
+    def engine_age_ms(self, now_ms: int) -> int | None:
+        """How old the engine's reading is now (None: no reading)."""
+        if self.engine is None:
+            return None
+        return self.engine.age_ms + max(now_ms - (self.engine_ms or now_ms), 0)
+
+
+def provider_load(fields: dict[str, str]) -> ProviderLoad:
+    """The load fields of a provider's hash (decoded to str)."""
+    engine = None
+    if fields.get("engine"):
+        try:
+            engine = msgspec.json.decode(fields["engine"], type=EngineReading)
+        except msgspec.DecodeError:
+            engine = None
+    return ProviderLoad(
+        capacity=int(fields["capacity"]) if "capacity" in fields else None,
+        capacity_mode=fields.get("capacity_mode", ""), in_flight=int(fields.get("in_flight", 0)),
+        external=int(fields.get("ext") or 0), hold_until_ms=int(fields.get("hold_until") or 0),
+        hold_reason=fields.get("hold_reason", ""), capacity_reason=fields.get("cap_reason", ""), engine=engine,
+        engine_ms=int(fields["engine_ms"]) if fields.get("engine_ms") else None,
+        service_ms=float(fields.get("svc_ms") or 0), prompt_tokens=int(fields.get("prompt_tokens", 0)),
+        cached_tokens=int(fields.get("cached_tokens", 0)))
+
 
 EJECTION_KINDS = ("consecutive_5xx", "failure_rate", "trial")
 
@@ -197,6 +265,195 @@ def _int(raw: str | None) -> int:
         return int(raw) if raw else 0
     except ValueError:
         return 0
+
+
+def _num(raw: str | None) -> float | None:
+    """Lua's ``tonumber`` of a field: None where it gives nil."""
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+class ProviderHealth(msgspec.Struct, frozen=True):
+    """Whether a provider can take work, as its hash holds it: its worker's heartbeat
+    (``lua/heartbeat.lua``: health, reason, hb_ms, hb_exp; ``removed`` when a reload took
+    it out of the config), its limit in force (``lua/capacity.lua``) and an operator's drain
+    mark (``lua/drain.lua``). :func:`provider_health` reads it; :meth:`reasons` is
+    ``lua/lib/unavailable_reason.lua``'s rule."""
+
+    health: str | None
+    reason: str
+    hb_ms: float | None  # None: never heard of
+    hb_exp: float | None
+    capacity: float | None
+    drain: str
+    removed: bool
+
+    def silent(self, now_ms: int) -> bool:
+        """Its worker says nothing: never heard of, or its heartbeat is past its TTL."""
+        return self.hb_ms is None or (self.hb_exp or 0) < now_ms
+
+    def reasons(self, now_ms: int) -> list[tuple[str, str]]:
+        """Every reason it cannot take work, as (kind, words), in the order
+        ``unavailable_reason`` tries them: ``removed``, then ``never_seen`` or ``stale``
+        (its worker is silent), ``unavailable`` (the probe's word), ``drained``,
+        ``capacity``. Empty: it can."""
+        found: list[tuple[str, str]] = []
+        if self.removed:
+            found.append(("removed", "removed from the config by a reload"))
+        if self.hb_ms is None:
+            found.append(("never_seen", "never seen: no heartbeat from its worker yet"))
+        elif self.silent(now_ms):
+            found.append(("stale", f"stale heartbeat: last one {(now_ms - (self.hb_ms or 0)) / 1000:.1f}s ago"))
+        if self.health != "available":
+            found.append(("unavailable", self.reason or "reported unavailable"))
+        if self.drain:
+            found.append(("drained", "drained by an operator"))
+        if (self.capacity or 0) <= 0:
+            found.append(("capacity", "capacity 0"))
+        return found
+
+    def unavailable_reason(self, now_ms: int, silent_is_down: bool) -> str | None:
+        """``lua/lib/unavailable_reason.lua``: why it cannot take work ('' when it can; None
+        when it cannot but may be about to: removed by a reload, or silent while
+        ``silent_is_down`` is False)."""
+        found = self.reasons(now_ms)
+        if not found:
+            return ""
+        kind, words = found[0]
+        if kind == "removed" or (kind in ("never_seen", "stale") and not silent_is_down):
+            return None
+        return words
+
+
+PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed")
+
+
+def provider_health(fields: dict[str, str]) -> ProviderHealth:
+    """The health fields of a provider's hash (decoded to str)."""
+    hb_ms = fields.get("hb_ms")
+    return ProviderHealth(
+        health=fields.get("health"), reason=fields.get("reason", ""),
+        hb_ms=None if hb_ms is None else _num(hb_ms) or 0.0, hb_exp=_num(fields.get("hb_exp")),
+        capacity=_num(fields.get("capacity")), drain=fields.get("drain", ""), removed=bool(fields.get("removed")))
+
+
+TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket
+
+
+class TokenWindow(msgspec.Struct, frozen=True):
+    """A provider's completion tokens over two 10 s buckets, as ``lua/finish.lua`` keeps them
+    in its hash: tok_t0 (the current bucket's start, server ms), tok_cur (its tokens),
+    tok_prev (the bucket before's)."""
+
+    t0_ms: int
+    cur: float
+    prev: float
+
+    def per_s(self, now_ms: int) -> float:
+        """Tokens per second over the last bucket's length: the current bucket whole, the one
+        before weighted by how much of it the window still covers. Buckets the script has
+        not rolled over yet (no job finished since) are rolled here, so an idle provider
+        falls to 0 within two buckets. A job's tokens count when it finishes, so a long
+        stream lands all at once."""
+        prev, cur = self.prev, self.cur
+        elapsed = max(now_ms - self.t0_ms, 0)
+        if elapsed >= 2 * TOKEN_BUCKET_MS:
+            return 0.0
+        if elapsed >= TOKEN_BUCKET_MS:
+            prev, cur, elapsed = cur, 0.0, elapsed - TOKEN_BUCKET_MS
+        covered = 1 - elapsed / TOKEN_BUCKET_MS
+        return round((prev * covered + cur) / (TOKEN_BUCKET_MS / 1000), 3)
+
+
+def token_window(fields: dict[str, str]) -> TokenWindow | None:
+    """The token window of a provider's hash; None before its first tokens."""
+    try:
+        return TokenWindow(int(fields["tok_t0"]), float(fields.get("tok_cur") or 0),
+                           float(fields.get("tok_prev") or 0))
+    except (KeyError, ValueError):
+        return None
+
+
+# --- rate limits and budgets (``{iop}:limits``, lua/lib/limits.lua) ------------------------
+
+LIMIT_WINDOW_MS = 60_000  # lib/limits.lua WINDOW_MS
+REFUSAL_KINDS = ("requests", "tokens", "budget")
+_TAT = re.compile(r"^([\d.\-]+)\|?(\d*)$")  # lib/limits.lua read_tat's pattern
+_DAY = re.compile(r"^(\d+):(-?\d+)$")  # lib/limits.lua budget_used's
+
+
+class LimitWindow(msgspec.Struct, frozen=True):
+    """A tenant's requests (``r:<tenant>``) or tokens (``t:<tenant>``) per minute: GCRA's
+    theoretical arrival time (server ms) and the limit per minute it was computed under
+    (None: not written)."""
+
+    tat_ms: float
+    per_minute: int | None
+
+    def tat_under(self, now_ms: float, per_minute: int) -> float:
+        """``read_tat``: the arrival time under the limit ``per_minute`` now in force (a
+        reload that changed the limit rescales what is ahead of now: the units in the
+        window stay the same)."""
+        pm = self.per_minute
+        if pm and pm != per_minute and self.tat_ms > now_ms:
+            return now_ms + (self.tat_ms - now_ms) * pm / per_minute
+        return self.tat_ms
+
+    def used(self, now_ms: int, per_minute: int) -> int:
+        """The units in the sliding minute now, under ``per_minute`` in force."""
+        ahead = max(self.tat_under(now_ms, per_minute) - now_ms, 0)
+        return math.ceil(ahead * per_minute / LIMIT_WINDOW_MS - 1e-9)
+
+
+def limit_window(raw: str | None) -> LimitWindow | None:
+    m = _TAT.match(raw or "")
+    if m is None:
+        return None
+    try:
+        tat = float(m.group(1))
+    except ValueError:
+        return None
+    return LimitWindow(tat, int(m.group(2)) if m.group(2) else None)
+
+
+class DayBudget(msgspec.Struct, frozen=True):
+    """A tenant's day budget (``d:<tenant>``): the day (UTC days since the epoch) and the
+    tokens used in it."""
+
+    day: int
+    used: int
+
+    def used_on(self, day: int) -> int:
+        """Tokens used on ``day`` (none before it began)."""
+        return max(self.used, 0) if self.day == day else 0
+
+
+def day_budget(raw: str | None) -> DayBudget | None:
+    m = _DAY.match(raw or "")
+    return DayBudget(int(m.group(1)), int(m.group(2))) if m else None
+
+
+class TenantLimitState(msgspec.Struct, frozen=True):
+    """What ``lua/lib/limits.lua`` keeps of one tenant in ``{iop}:limits``."""
+
+    requests: LimitWindow | None
+    tokens: LimitWindow | None
+    budget: DayBudget | None
+    refused: dict[str, int]  # x:<tenant>:<kind>: refusals so far, by REFUSAL_KINDS
+
+    @classmethod
+    def fields(cls, tenant: str) -> list[str]:
+        """The hash fields it is read from, in :func:`tenant_limit_state`'s order."""
+        return [f"r:{tenant}", f"t:{tenant}", f"d:{tenant}", *(f"x:{tenant}:{k}" for k in REFUSAL_KINDS)]
+
+
+def tenant_limit_state(values: list[str | None]) -> TenantLimitState:
+    """A tenant's state from the values of :meth:`TenantLimitState.fields`, in that order."""
+    r, t, d, *refused = values
+    return TenantLimitState(limit_window(r), limit_window(t), day_budget(d),
+                            {kind: _int(raw) for kind, raw in zip(REFUSAL_KINDS, refused, strict=True)})
 
 
 def ejection_state(fields: dict[str, str]) -> EjectionState:

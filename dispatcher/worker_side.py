@@ -1,9 +1,11 @@
 """What a node's worker asks of Redis: report output, finish, renew leases, publish its
-providers, read its node stream's group. One instance per worker process (its node)."""
+providers, read its node stream's group. One instance per worker process (its node); the
+script calls it makes are those of the config in force, which it asks ``calls`` for at
+each call (a reload swaps them: workers/worker.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -16,12 +18,17 @@ from dispatcher.script_calls import Abort, EmitOutcome, FinishMode, FinishOutcom
 
 
 class WorkerSide:
-    def __init__(self, calls: ScriptCalls, redis: Redis, node_id: str, fast: FastRedis | None = None) -> None:
-        self.calls = calls
+    def __init__(self, calls: Callable[[], ScriptCalls], redis: Redis, node_id: str,
+                 fast: FastRedis | None = None) -> None:
+        self._calls = calls
         self.redis = redis
         self.fast = fast
         self.node_id = node_id
         self.node_key = keys.node(node_id)
+
+    @property
+    def calls(self) -> ScriptCalls:
+        return self._calls()
 
     async def emit(self, job: Assignment, event: bytes) -> EmitOutcome:
         """First output of a streamed job (marks it as having reached its client)."""

@@ -24,7 +24,7 @@
 -- ARGV[13]   completion tokens the job generated (0: none reported): added, when the job
 --            is released here, to the provider's token window (tok_t0 start ms of the
 --            current 10 s bucket, tok_cur its tokens, tok_prev the bucket before), which
---            dispatcher/catalog.py turns into tokens per second
+--            dispatcher/wire.py TokenWindow turns into tokens per second
 -- ARGV[14]   prompt tokens of the job, ARGV[15] of them, those its provider served from its
 --            prefix cache (0: none reported): added, on a real release, to the provider's
 --            totals prompt_tokens and cached_tokens (the catalog's cache hit rate); and

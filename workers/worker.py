@@ -14,13 +14,17 @@ to the node, report every answer back, and give every slot back.
                           (``workers/cancels.py``)
 * ``Leases.run``          extend the leases of running jobs (``workers/leases.py``)
 * ``Reaper.run_forever``  the shared maintenance round (``dispatcher.reaper``)
+* ``ProviderAdapters.run`` close the adapters a reload retired once nothing runs on them
+                          (``workers/runtime.py``)
 * ``_watch_signals``      SIGTERM/SIGINT: shut down -- stop taking jobs, let running ones
                           finish within ``dispatch.drain_grace_s``, cancel the rest, exit
 * ``_watch_hangups``      SIGHUP: read the config file again and apply it (:meth:`reload`):
                           providers added, removed (they finish what they run), changed
 
 What the config implies for the node is one :class:`NodeRuntime`; a reload builds a new one
-and swaps ``Worker.runtime``.
+and swaps ``Worker.runtime``, the one reference to it: every part reads the config in force
+through ``Worker.current`` at each use (the script calls of ``WorkerSide`` and the reaper
+too), and is given at the start only what a reload cannot change (the ``dispatch`` section).
 
 Several worker processes may serve the same node: the consumer group hands each job
 to one of them, and the slot accounting in Redis bounds them together. It also says
@@ -72,15 +76,21 @@ class Worker:
         runtime = NodeRuntime.build(config, node_id, self.scripts)
         if runtime is None:
             raise ConfigError([ConfigProblem("$.nodes", f"no node with id {node_id!r}")])
+        # The config in force: the one reference a reload swaps. Every part that sees what a
+        # reload may change reads it through current(), at each use; what it may not (the
+        # dispatch section, RESTART: dispatcher/reloading.py keeps its running values) is
+        # given to the parts once, here.
         self.runtime = runtime
-        # Fixed for the life of the process (dispatcher/reloading.py keeps them at a reload).
         dispatch = config.dispatch
-        self.side = WorkerSide(runtime.calls, self.redis, node_id, self.clients.fast)
-        self.reaper = Reaper(runtime.calls, self.redis, self.worker_id)
-        self.adapters = ProviderAdapters()
-        self.runs = Runs(keep_s=dispatch.lease_ms / 1000)
-        self.capacity = CapacityControl(lambda: self.runtime, self.adapters, self.side, self.redis)
-        self.providers = ProviderState(lambda: self.runtime, self.adapters, self.runs, self.side, self.redis,
+        self.side = WorkerSide(lambda: self.current().calls, self.redis, node_id, self.clients.fast)
+        self.reaper = Reaper(lambda: self.current().calls, self.redis, self.worker_id)
+        self.lease_s = dispatch.lease_ms / 1000
+        self.drain_grace_s = dispatch.drain_grace_s
+        self.runs = Runs(keep_s=self.lease_s)
+        # A retired adapter outlives its last run, and a lease after the reload.
+        self.adapters = ProviderAdapters(self.runs, keep_s=self.lease_s)
+        self.capacity = CapacityControl(self.current, self.adapters, self.side, self.redis)
+        self.providers = ProviderState(self.current, self.adapters, self.runs, self.side, self.redis,
                                        dispatch, self.worker_id, capacity_of=self.capacity.capacity_of)
         self.jobs = JobRunner(self.side, node_id, self.adapters, self.runs, self.providers, dispatch.lease_ms,
                               capacity=self.capacity)
@@ -88,8 +98,12 @@ class Worker:
                                  self.runs, run=self.jobs.run, hand_back=self.jobs.hand_back)
         self.leases = Leases(self.runs, self.side, dispatch.lease_ms, after_renewal=self.stream.settle_ghosts)
         self.cancels = CancelListener(self.redis, node_id, self.runs, renew_now=self.leases.renew_now)
-        self.telemetry = TelemetryLoop(self.redis, lambda: self.runtime.node, self.worker_id,
+        self.telemetry = TelemetryLoop(self.redis, lambda: self.current().node, self.worker_id,
                                        dispatch.heartbeat_interval_ms / 1000)
+
+    def current(self) -> NodeRuntime:
+        """The runtime of the config in force."""
+        return self.runtime
 
     # --- the process ------------------------------------------------------------------
 
@@ -115,6 +129,7 @@ class Worker:
                 tg.start_soon(self.leases.run)
                 tg.start_soon(self.reaper.run_forever)
                 tg.start_soon(self.telemetry.run)
+                tg.start_soon(self.adapters.run, self.lease_s)
                 async with anyio.create_task_group() as jobs:
                     await self.stream.consume(jobs)
                     await self._shut_down(jobs)
@@ -159,7 +174,7 @@ class Worker:
             # Jobs dispatched here before the mark took effect go back to their queue now,
             # not when their lease runs out.
             await self.stream.hand_back_unstarted(jobs)
-        with anyio.move_on_after(self.runtime.config.dispatch.drain_grace_s):
+        with anyio.move_on_after(self.drain_grace_s):
             await self.runs.idle()
         self.runs.abort_all(SHUTDOWN)
 
@@ -203,10 +218,7 @@ class Worker:
                 except RedisError as exc:
                     log.warning("reload: could not mark %s removed (its heartbeat expires instead): %s", pid, exc)
         log.info("reload: %s applied (%s)", self.config_path, describe_changes(old.config, new))
-        self.runtime = runtime
-        # Long-lived clients of the script calls (dispatcher/): they take the new plans.
-        self.side.calls = runtime.calls
-        self.reaper.use(runtime.calls)
+        self.runtime = runtime  # every part sees it from its next use on (current())
         for pid, provider in after.items():
             if pid not in before:
                 self.adapters.add(provider, runtime.node)

@@ -1,6 +1,6 @@
 -- The one health predicate: can provider hash `v` (HMGET of health, hb_exp, capacity,
 -- drain, in that order) take work now -- healthy, heard from, a capacity, not drained by
--- an operator (lua/drain.lua)? dispatcher/catalog.py classify says the same in Python.
+-- an operator (lua/drain.lua)? lib/unavailable_reason.lua says why not, in words.
 -- Its readers: lib/provider_state.lua (a pump's view) and lib/provider_ok.lua (one look).
 
 local function takes_work(v, now)

@@ -1,8 +1,9 @@
 -- Why a provider cannot take work now, in words ('' when it can; nil when it cannot but may
--- be about to: see below): the reasons of dispatcher/catalog.py's classify, and the drain
--- mark. A provider whose worker is silent (never heard of, or a heartbeat past its TTL)
--- counts as down only when `silent_is_down`: a reaper round says so, which knows whether
--- Redis itself was away (no heartbeat could land then); a submit or a heartbeat does not.
+-- be about to: see below). dispatcher/wire.py ProviderHealth is this rule in Python (the
+-- catalog's health), held to it by tests/dispatcher/test_wire.py. A provider whose worker is
+-- silent (never heard of, or a heartbeat past its TTL) counts as down only when
+-- `silent_is_down`: a reaper round says so, which knows whether Redis itself was away (no
+-- heartbeat could land then); a submit or a heartbeat does not.
 
 local function unavailable_reason(pkey, now, silent_is_down)
   local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed')

@@ -11,11 +11,12 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 
+from dispatcher import catalog, keys
 from dispatcher import config as cfg
-from dispatcher import keys
 from dispatcher.capability_flags import LifecycleFlags
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
+from dispatcher.plans import Plans
 from tests.dispatcher.test_flow_control import FairHarness
 from tests.dispatcher.test_scripts import Harness
 
@@ -139,6 +140,33 @@ async def test_capacity_zero_is_unavailable_without_a_ratio(h: Harness) -> None:
     zero = providers["zero"]
     assert (zero.health, zero.reason) == ("unavailable", "capacity 0")
     assert zero.load_ratio is None
+
+
+async def test_a_provider_a_reload_removed_says_so_even_once_its_heartbeat_is_stale(h: Harness) -> None:
+    # What a worker's reload writes of a provider it no longer has (workers/worker.py), then
+    # nothing more: its heartbeat runs out.
+    await beat(h, "stale", "unavailable", "removed from the config")
+    await h.redis.hset(keys.provider("stale"), "removed", 1)
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("unavailable",
+                                                                      "removed from the config by a reload")
+    await h.redis.hset(keys.provider("stale"), mapping={"hb_exp": 1, "hb_ms": 1})
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("unavailable",
+                                                                      "removed from the config by a reload")
+    # Back in the config: its worker's heartbeat clears the mark (workers/provider_state.py).
+    await beat(h, "stale")
+    await h.redis.hset(keys.provider("stale"), "removed", "")
+    _, providers = await read(h)
+    assert (providers["stale"].health, providers["stale"].reason) == ("available", "")
+
+
+async def test_a_drain_leaves_health_to_the_probe(h: Harness) -> None:
+    await beat(h, "zero")
+    await h.redis.hset(keys.provider("zero"), "drain", 1)
+    _, providers = await read(h)
+    assert (providers["zero"].health, providers["zero"].reason, providers["zero"].drain) == (
+        "unavailable", "capacity 0", "drained")
 
 
 async def test_categories_of_every_kind(h: Harness) -> None:
@@ -396,3 +424,22 @@ async def test_without_flow_control_there_are_no_tenants(h: Harness) -> None:
     assert all(m.tenants == [] for m in doc.models)
     assert next(m for m in doc.models if m.id == "qwen").queued == 1
     assert json.loads(msgspec.json.encode(doc))["tenants"] == []
+
+
+async def test_what_a_config_implies_is_built_once_per_config(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[cfg.Config] = []
+    real = catalog.Plans
+
+    def counting(config: cfg.Config) -> Plans:
+        built.append(config)
+        return real(config)
+
+    monkeypatch.setattr(catalog, "Plans", counting)
+    first, _ = await read(h)
+    again, _ = await read(h)
+    assert built == [h.config]
+    assert [p.id for p in again.providers] == [p.id for p in first.providers]
+    other = catalog_config()  # an equal config, but another one (a reload): built anew
+    await read_catalog(h.redis, other)
+    assert len(built) == 2
+    assert built[1] is other

@@ -227,7 +227,7 @@ class Scenario:
         self.h = Harness(redis, self.config)
         self.redis = redis
         self.n1 = self.h.node
-        self.n2 = WorkerSide(self.h.calls, redis, "n2")
+        self.n2 = WorkerSide(lambda: self.h.calls, redis, "n2")
         self.reaper = Reaper(self.h.calls, redis, "reaper-1")
         self.outcomes: list[tuple[str, Any]] = []
 

@@ -7,7 +7,7 @@ from redis.asyncio import Redis
 
 from dispatcher import events, keys
 from dispatcher.events import Failed, Meta, Requeued, Start
-from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper, Reconciled
+from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper, Reconciled, gone
 from dispatcher.script_calls import Abort, AbortReason, CancelReason, Correction
 from tests.dispatcher.test_scripts import Harness, make_config
 
@@ -231,3 +231,14 @@ async def test_a_new_server_refreshes_expiries_and_reconciles(h: Harness) -> Non
     assert stats.leases == {}
     assert stats.corrected == Reconciled([Correction("a", 0, 1)], [])
     assert await h.in_flight("a") == 1
+
+
+async def test_a_provider_is_gone_when_a_reload_removed_it_or_its_worker_is_silent(h: Harness) -> None:
+    # What decides whether a job pinned to a provider no lane serves is answered (rehome_queue).
+    assert await gone(h.redis, "a")  # never heard of
+    await h.up("a")
+    assert not await gone(h.redis, "a")
+    await h.redis.hset(keys.provider("a"), "removed", 1)
+    assert await gone(h.redis, "a")  # heartbeat fresh, but its worker's reload removed it
+    await h.redis.hset(keys.provider("a"), mapping={"removed": "", "hb_exp": 1})
+    assert await gone(h.redis, "a")  # its heartbeat ran out

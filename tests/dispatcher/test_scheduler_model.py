@@ -93,7 +93,7 @@ KNOWN_DEFECTS: frozenset[str] = frozenset()  # none left
 #     by their tenant's release), in a queue no plan pumps; and jobs pinned to a provider it
 #     removed waited out their deadline. Now reaper rounds move them (lua/rehome.lua) or
 #     answer the pinned ones (lua/abandon.lua), and a job coming back to such a key is moved
-#     at once (dispatcher/script_calls.py rehome_queue).
+#     at once (dispatcher/reaper.py rehome_queue).
 #     test_defect1_jobs_waiting_in_a_lane_a_reload_renamed_are_still_served[provider removed,
 #     band renamed], test_defect1_a_job_pinned_to_a_provider_a_reload_removes_is_answered,
 #     test_defect1_a_job_coming_back_after_a_reload_goes_to_a_lane_that_is_pumped
@@ -752,7 +752,7 @@ def inv4_waiting_jobs_are_pumped(w: World, s: Snapshot) -> Iterator[Problem]:
     """Invariant 4: every waiting job is in a lane queue that the plan of some provider of the
     config in force pumps: none is stranded after a reload. A parked job may go back to a lane
     a reload took away: whatever brings it back moves it to its lane at once
-    (dispatcher/script_calls.py rehome_queue; inv6 checks that it then runs)."""
+    (dispatcher/reaper.py rehome_queue; inv6 checks that it then runs)."""
     pumped = lane_queues(w.plans)
     for job, rec in s.records.items():
         if rec["state"] != "q":

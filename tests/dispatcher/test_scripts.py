@@ -55,7 +55,7 @@ class Harness:
         self.scripts = scripts
         self.calls = ScriptCalls(scripts, config, plans)
         self.api = ApiSide(self.calls, redis, "rep1")
-        self.node = WorkerSide(self.calls, redis, "n1")
+        self.node = WorkerSide(lambda: self.calls, redis, "n1")
 
     async def up(self, pid: str, health: str = "available") -> None:
         prov = next(p for _, p in self.config.providers() if p.id == pid)

@@ -1,5 +1,5 @@
 """Tokens per second per provider: ``lua/finish.lua``'s two 10 s buckets in the provider
-hash (every available Redis version), and how ``dispatcher/catalog.py`` reads them.
+hash (every available Redis version), and how ``dispatcher/wire.py`` TokenWindow reads them.
 
 The server's clock cannot be moved, so time passing is played by moving ``tok_t0`` back."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from dispatcher import keys
-from dispatcher.catalog import read_catalog, tokens_per_s
+from dispatcher import keys, wire
+from dispatcher.catalog import read_catalog
 from tests.dispatcher.test_scripts import Harness, make_config
 
 pytestmark = pytest.mark.anyio
@@ -118,12 +118,14 @@ def fields(t0: int, cur: int, prev: int) -> dict[str, str]:
     (-3_000, 50, 100, 15.0),  # a clock behind the bucket: as if it just began
 ])
 def test_the_rate_read_from_the_buckets(elapsed: int, cur: int, prev: int, expected: float) -> None:
-    assert tokens_per_s(fields(1_000_000, cur, prev), 1_000_000 + elapsed) == pytest.approx(expected)
+    window = wire.token_window(fields(1_000_000, cur, prev))
+    assert window is not None
+    assert window.per_s(1_000_000 + elapsed) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("found", [{}, {"tok_cur": "5"}, {"tok_t0": "x", "tok_cur": "5"}])
 def test_no_window_is_no_rate(found: dict[str, str]) -> None:
-    assert tokens_per_s(found, 1_000) == 0.0
+    assert wire.token_window(found) is None
 
 
 async def test_the_catalog_shows_the_rate(h: Harness) -> None:

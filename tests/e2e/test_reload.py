@@ -122,7 +122,9 @@ def test_reload_under_load_adds_resizes_and_removes_providers(system: System) ->
         wait_reloaded(system, api, 2)
         assert system.provider("a")["health"] == "unavailable"
         assert system.provider("a")["reason"] == "removed from the config"
-        assert system.provider("b")["capacity"] == "3"
+        # Marked before the reload is logged; b's new capacity comes with the heartbeat the
+        # reload asks for, just after.
+        system.wait_until("b resized", lambda: system.provider("b")["capacity"] == "3", timeout=5)
         # Jobs dispatched to a just before the mark may still be on their way to it.
         time.sleep(0.5)
         seen_by_a = len(fakes["a"].requests())

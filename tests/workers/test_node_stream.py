@@ -75,7 +75,7 @@ async def node_stream(redis_server: RedisServer, redis: Redis) -> AsyncIterator[
     blocking: FastRedis = connect_fast(redis_server.url)
     runtime = NodeRuntime.build(config, NODE, Scripts(control))
     assert runtime is not None
-    side = WorkerSide(runtime.calls, control, NODE)
+    side = WorkerSide(lambda: runtime.calls, control, NODE)
     runs = Runs(keep_s=60)
     jobs = Jobs()
     stream = NodeStream(side, blocking, control, CONSUMER, LEASE_MS, runs, run=jobs.run, hand_back=jobs.hand_back)

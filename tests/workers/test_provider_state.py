@@ -147,7 +147,7 @@ async def publish(redis_server: RedisServer, redis: Redis) -> AsyncIterator[Publ
             adapters.open(runtime.node)
             adapters.current.update(stand_ins or {})
             runs = Runs(keep_s=60)
-            side = WorkerSide(runtime.calls, control, NODE)
+            side = WorkerSide(lambda: current[0].calls, control, NODE)
             state = ProviderState(lambda: current[0], adapters, runs, side, control, config.dispatch, WORKER)
             tg.start_soon(state.run)
             return Published(state, adapters, runs, redis, current, side, scripts)
@@ -323,7 +323,6 @@ async def test_providers_come_and_go_with_reloads(publish: Publishing, redis_ser
     runtime = NodeRuntime.build(new, NODE, p.scripts)
     assert runtime is not None
     p.runtime[0] = runtime
-    p.side.calls = runtime.calls  # as Worker.reload does
     p.adapters.current["c"] = Counting(new.nodes[0].providers[1], ProbeResult(True))
     p.state.start("c")
     found = await p.health_is("c", "available")
@@ -353,7 +352,7 @@ async def test_a_state_stopped_before_it_runs_publishes_nothing(redis_server: Re
     assert runtime is not None
     adapters = ProviderAdapters()
     adapters.current["p"] = Counting(cfg.nodes[0].providers[0], ProbeResult(True))
-    state = ProviderState(lambda: runtime, adapters, Runs(keep_s=60), WorkerSide(runtime.calls, redis, NODE),
+    state = ProviderState(lambda: runtime, adapters, Runs(keep_s=60), WorkerSide(lambda: runtime.calls, redis, NODE),
                           redis, cfg.dispatch, WORKER)
     state.stop()
     with anyio.fail_after(EVENTUALLY_S):

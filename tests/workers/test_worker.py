@@ -16,7 +16,8 @@ import yaml
 from redis.asyncio import Redis
 
 from dispatcher import keys
-from dispatcher.config import parse
+from dispatcher.config import Config, parse
+from dispatcher.config.field_rules import restart_paths
 from dispatcher.exceptions import ConfigError
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import RedisServer, free_port
@@ -88,6 +89,12 @@ async def serving(path: Path, raw: dict[str, Any], redis: Redis) -> AsyncIterato
             worker.stop()
 
 
+def test_what_a_worker_gives_its_parts_at_start_is_what_a_reload_cannot_change() -> None:
+    # Worker.__init__ hands lease_ms, heartbeat_interval_ms and drain_grace_s to its parts
+    # once: right only while the whole dispatch section waits for a restart.
+    assert ("dispatch",) in restart_paths(Config)
+
+
 def test_a_worker_for_a_node_the_config_lacks_is_refused(redis_server: RedisServer) -> None:
     config = parse(raw_config(redis_server.url, {"a": 9})).config
     with pytest.raises(ConfigError, match="no node with id 'n9'"):
@@ -111,7 +118,11 @@ async def test_a_reload_swaps_the_runtime_and_tells_redis_what_changed(
 
         assert worker.runtime is not old_runtime
         assert [p.id for p in worker.runtime.node.providers] == ["a", "c"]
-        assert worker.side.calls is worker.runtime.calls  # new plans for the script calls
+        # One reference swapped: every part sees the new config (its plans) through it.
+        assert worker.current() is worker.runtime
+        assert worker.side.calls is worker.runtime.calls
+        assert worker.reaper.calls is worker.runtime.calls
+        assert worker.reaper.provider_ids == ["a", "c"]
         removed = await provider_hash(redis, "b")
         assert removed["health"] == "unavailable"
         assert removed["reason"] == "removed from the config"
