@@ -93,8 +93,8 @@ class ProviderView(msgspec.Struct):
 
 
 class EjectionView(msgspec.Struct):
-    """A provider's ejection for its 5xx answers (``ejection`` in the config; README
-    "Health"): ``state`` "ejected" until ``until_ms`` (UTC ms), then "on_trial" (one request
+    """A provider's ejection for its 5xx answers (``ejection`` in the config; docs/PROVIDERS.md
+    "Leaving rotation and coming back"): ``state`` "ejected" until ``until_ms`` (UTC ms), then "on_trial" (one request
     at a time) until one is answered; None once it is fully back."""
 
     state: str  # ejected | on_trial
