@@ -3,7 +3,8 @@
     POST   /admin/qualifications/{model}/runs    start a run: its bounds, the model's providers,
                                                  their lifecycle (declared / verified)
     DELETE /admin/qualifications/runs/{run}      cancel it: its later requests are refused
-    POST   /admin/qualifications/{model}         store a finished run's report (ends the run)
+    POST   /admin/qualifications/{model}         store a finished run's report (ends the run; its knees
+                                                 seed capacity: auto, {iop}:qual:cap)
     GET    /qualifications/{model}               the latest report (``?index=N``: the Nth before)
     GET    /qualifications/{model}/runs          every kept run, newest first
     GET    /qualifications/{model}/markdown      the latest report as Markdown (``?index=``,
@@ -186,6 +187,7 @@ async def store_report(request: Request[Any, Any, Any], gw: NamedDependency[Gate
         raise InvalidRequest(f"the report is of model {report.model!r}, not {model_id!r}", param="model")
     try:
         await qualifications.store(gw.redis, report, qc.keep_reports)
+        await qualifications.seed_capacity(gw.redis, report)
         if report.run:
             await _end(gw, report.run, cancelled=False)
     except RedisError as exc:

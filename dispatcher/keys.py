@@ -68,6 +68,9 @@ and every script can be given all of its keys in KEYS.
 |                          |        | dispatcher/qualifications.py; the last 20 kept)               |
 | ``{iop}:qual:run:<id>``  | hash   | a qualification run under way: model, expires_ms, max_tokens,  |
 |                          |        | asked, cancelled (api/qualify.py); expires after its time     |
+| ``{iop}:qual:cap``       | hash   | provider -> the suggested_capacity its latest finished         |
+|                          |        | qualification found (JSON, qualifications.CapacitySeed): the  |
+|                          |        | start of a ``capacity: auto`` limit with none learned yet      |
 | ``{iop}:tel:<node>``     | hash   | device telemetry: worker id -> its last report (JSON,         |
 |                          |        | wire.Telemetry; workers/telemetry.py), TTL 3 heartbeats       |
 
@@ -132,6 +135,10 @@ def qualifications(model_id: str) -> str:
 def qualification_run(run_id: str) -> str:
     """A qualification run under way: its model, bounds and tokens asked (``api/qualify.py``)."""
     return f"{PREFIX}:qual:run:{run_id}"
+
+
+# provider -> qualifications.CapacitySeed (dispatcher/qualifications.py seed_capacity).
+CAPACITY_SEEDS = f"{PREFIX}:qual:cap"
 
 
 def telemetry(node_id: str) -> str:

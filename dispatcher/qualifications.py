@@ -9,6 +9,11 @@ the API keeps. ``{iop}:qual:<model>`` is a list of reports, newest first, each J
 run's config and iop's version; a new one pushes the oldest past ``qualify.keep_reports`` out.
 A run in progress is ``{iop}:qual:run:<id>`` (its model, bounds and tokens asked so far),
 which expires with the run's time bound.
+
+A finished run also seeds ``capacity: auto``: ``{iop}:qual:cap`` holds, per provider, the
+``suggested_capacity`` of the latest finished run that measured it without errors
+(:func:`seed_capacity`); a worker starting an auto limit with none learned yet starts there
+(:func:`seeded_capacity`) instead of at the engine's slots hint or two.
 """
 
 from __future__ import annotations
@@ -85,7 +90,17 @@ class RunSummary(msgspec.Struct, frozen=True):
     flagged: list[str]
 
 
+class CapacitySeed(msgspec.Struct, frozen=True):
+    """Where an auto limit starts: a qualification's knee, and the run that found it."""
+
+    capacity: int
+    model: str
+    run: str
+    started: str
+
+
 decode_report = msgspec.json.Decoder(Report).decode
+_decode_seed = msgspec.json.Decoder(CapacitySeed).decode
 encode = msgspec.json.Encoder().encode
 
 
@@ -109,6 +124,36 @@ async def history(redis: Redis, model: str) -> list[RunSummary]:
         out.append(RunSummary(i, r.run, r.started, [p.provider for p in r.providers],
                               [p.provider for p in r.providers if p.flags]))
     return out
+
+
+def seeds_of(report: Report) -> dict[str, CapacitySeed]:
+    """The capacity seeds a report gives: its providers' knees, unless the run was cancelled
+    (its ladder may have stopped before the knee) or the provider's calls failed (a knee of
+    errors is not one of throughput)."""
+    if report.cancelled:
+        return {}
+    return {p.provider: CapacitySeed(p.suggested_capacity, report.model, report.run, report.started)
+            for p in report.providers if p.suggested_capacity is not None and not p.errors}
+
+
+async def seed_capacity(redis: Redis, report: Report) -> dict[str, CapacitySeed]:
+    """Write the report's seeds over those of earlier runs (of any model: a provider has one
+    limit); what it wrote."""
+    seeds = seeds_of(report)
+    if seeds:
+        await redis.hset(keys.CAPACITY_SEEDS, mapping={p: encode(s) for p, s in seeds.items()})
+    return seeds
+
+
+async def seeded_capacity(redis: Redis, provider_id: str) -> int | None:
+    """Where ``provider_id``'s auto limit starts, from its latest qualification (None: none)."""
+    raw = await redis.hget(keys.CAPACITY_SEEDS, provider_id)
+    if raw is None:
+        return None
+    try:
+        return _decode_seed(raw).capacity
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 NONE = "-"  # a figure not measured

@@ -49,51 +49,60 @@ def divergence(a: list[tuple[str, float]] | None, b: list[tuple[str, float]] | N
 
 
 def compare(answers: dict[str, dict[str, Answer]], threshold: float = THRESHOLD) -> Agreement:
-    """``answers``: provider -> prompt id -> its answer."""
-    providers = sorted(answers)
+    """``answers``: provider -> prompt id -> its answer. Two providers are compared over the
+    prompts both answered; a provider that answered none is flagged ``no_answers`` and left out
+    of the grouping (one broken provider must not make the others look divergent)."""
     out = Agreement()
-    if not providers:
+    answering = sorted(p for p, a in answers.items() if a)
+    for p in sorted(set(answers) - set(answering)):
+        out.score[p] = None
+        out.divergence[p] = None
+        out.flags[p] = ["no_answers"]
+    if not answering:
         return out
-    prompts = sorted(set.intersection(*(set(a) for a in answers.values()))) if answers else []
+
+    def common(p: str, q: str) -> list[str]:
+        return sorted(set(answers[p]) & set(answers[q]))
 
     def mean_sim(p: str, q: str) -> float:
-        if not prompts:
-            return 0.0
-        return sum(similarity(answers[p][i].text, answers[q][i].text) for i in prompts) / len(prompts)
+        shared = common(p, q)
+        if not shared:
+            return 0.0  # nothing to compare them on: no evidence that they agree
+        return sum(similarity(answers[p][i].text, answers[q][i].text) for i in shared) / len(shared)
 
-    sims = {(p, q): mean_sim(p, q) for p in providers for q in providers if p < q}
+    sims = {(p, q): mean_sim(p, q) for p in answering for q in answering if p < q}
 
     def sim(p: str, q: str) -> float:
         return 1.0 if p == q else sims[(min(p, q), max(p, q))]
 
     # The largest group whose members all agree pairwise (few providers: every subset is fine
-    # up to 12; greedy past that).
-    best: list[str] = [providers[0]]
-    if len(providers) <= 12:
-        for mask in range(1, 1 << len(providers)):
-            group = [p for i, p in enumerate(providers) if mask >> i & 1]
+    # up to 12; greedy past that). Ties go to the subset of the alphabetically first members.
+    best: list[str] = [answering[0]]
+    if len(answering) <= 12:
+        for mask in range(1, 1 << len(answering)):
+            group = [p for i, p in enumerate(answering) if mask >> i & 1]
             if len(group) > len(best) and all(sim(p, q) >= threshold for p in group for q in group):
                 best = group
     else:
-        for p in providers:
-            group = [q for q in providers if sim(p, q) >= threshold]
+        for p in answering:
+            group = [q for q in answering if sim(p, q) >= threshold]
             if len(group) > len(best):
                 best = group
     out.group = best
-    tie = len(providers) > 1 and len(best) * 2 <= len(providers)
+    # No group is a majority: which side is right cannot be told.
+    tie = len(answering) > 1 and len(best) * 2 <= len(answering)
     ref = best[0]
-    for p in providers:
+    for p in answering:
         others = [q for q in best if q != p]
         out.score[p] = round(sum(sim(p, q) for q in others) / len(others), 4) if others else (
-            1.0 if len(providers) == 1 else round(max(sim(p, q) for q in providers if q != p), 4))
-        divs = [d for i in prompts if (d := divergence(answers[p][i].logprobs, answers[ref][i].logprobs)) is not None]
+            1.0 if len(answering) == 1 else round(max(sim(p, q) for q in answering if q != p), 4))
+        divs = [d for i in common(p, ref)
+                if (d := divergence(answers[p][i].logprobs, answers[ref][i].logprobs)) is not None]
         out.divergence[p] = round(sum(divs) / len(divs), 4) if divs and p != ref else (0.0 if divs else None)
         flags = []
         if p not in best or (out.score[p] or 0) < threshold:
             flags.append("diverges")
-        if tie and len(providers) > 1:
+        if tie:
             flags.append("no_majority")
-        if not prompts:
-            flags.append("no_answers")
         out.flags[p] = flags
     return out

@@ -151,19 +151,27 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> CallResu
 
 async def step(client: Client, provider: str, concurrency: int, requests: int, max_tokens: int,
                prompt: str = SHORT_PROMPT) -> Step:
-    """``requests`` calls, ``concurrency`` at a time."""
+    """``requests`` calls, ``concurrency`` at a time. A refusal (:class:`Stopped`) ends the step:
+    no call starts after it, those under way finish (iop admitted them), and it is raised as
+    itself -- not inside the ExceptionGroup a task group would make of it."""
     queue = list(range(requests))
     results: list[CallResult] = []
+    refused: list[Stopped] = []
 
     async def worker() -> None:
-        while queue:
+        while queue and not refused:
             queue.pop()
-            results.append(await client.chat(provider, [{"role": "user", "content": prompt}], max_tokens))
+            try:
+                results.append(await client.chat(provider, [{"role": "user", "content": prompt}], max_tokens))
+            except Stopped as exc:
+                refused.append(exc)
 
     started = time.monotonic()
     async with asyncio.TaskGroup() as tg:
         for _ in range(concurrency):
             tg.create_task(worker())
+    if refused:
+        raise refused[0]
     return Step(concurrency, results, time.monotonic() - started)
 
 

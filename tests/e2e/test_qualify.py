@@ -1,5 +1,5 @@
 """Qualification runs and live figures through real processes (issue 32): an API, a worker and
-three fake providers of model m -- a (4 slots, fast), b (4 slots, slower to start), c (serves
+three fake providers of model m -- a (4 slots, fast), b (4 slots, slower to start), c (between them, serves
 other words under the same id). ``iop qualify`` finds a's knee at 4, ranks a before b by the
 TTFT a client measures, flags c and passes a and b; the report is stored and read back (JSON,
 Markdown, the runs list); its requests count as tenant iop-qualify in /metrics and never in
@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dispatcher import keys
 from iop.redis_server import RedisServer
 from tests.e2e.system import System, http_provider
 
@@ -39,7 +40,7 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
         common = ["--models", "served", "--tokens", str(TOKENS), "--token-interval-ms", "40"]
         sys_.fake("fa", *common, "--delay-ms", "150", "--parallel", "4")
         sys_.fake("fb", *common, "--delay-ms", "400", "--parallel", "4")
-        sys_.fake("fc", *common, "--delay-ms", "150", "--word", "alt")
+        sys_.fake("fc", *common, "--delay-ms", "250", "--word", "alt")
         sys_.worker("n1")
         sys_.api()
         sys_.wait_available("a", "b", "c")
@@ -162,3 +163,10 @@ def test_a_node_without_a_gpu_reports_cpu_memory_and_no_gpus(system: System) -> 
     assert t["cpu"]["cores"] >= 1
     assert t["memory"]["total_bytes"] > t["memory"]["used_bytes"] > 0
     assert t["gpus"] == []
+
+
+def test_the_knees_seed_capacity_auto(system: System, report: dict[str, Any]) -> None:
+    seeds = {k.decode(): json.loads(v) for k, v in system.redis.hgetall(keys.CAPACITY_SEEDS).items()}
+    assert {p: s["capacity"] for p, s in seeds.items()} == {
+        p["provider"]: p["suggested_capacity"] for p in report["providers"]}
+    assert seeds["a"] == {"capacity": 4, "model": "m", "run": report["run"], "started": report["started"]}

@@ -132,10 +132,11 @@ def start_llamacpp(work: Path, long_context: bool = False) -> RealServer:
     return _ready(RealServer("llamacpp", proc, port, models), "/v1/models")
 
 
-def write_tiny_gguf(kind: str, path: Path) -> Path:
-    """The tiny GGUF, written by the ``kind`` virtualenv's python (which has gguf and numpy)."""
-    subprocess.run([str(python_of(kind)), str(Path(__file__).with_name("tiny_gguf.py")), str(path)], check=True,
-                   capture_output=True, timeout=120)
+def write_tiny_gguf(kind: str, path: Path, seed: int | None = None) -> Path:
+    """The tiny GGUF, written by the ``kind`` virtualenv's python (which has gguf and numpy);
+    ``seed``: other weights (tiny_gguf.py)."""
+    subprocess.run([str(python_of(kind)), str(Path(__file__).with_name("tiny_gguf.py")), str(path),
+                    *([str(seed)] if seed is not None else [])], check=True, capture_output=True, timeout=120)
     return path
 
 
@@ -148,10 +149,12 @@ def llama_server_binary() -> Path:
     return found[0]
 
 
-def start_llama_server(work: Path, parallel: int = LLAMA_SLOTS, threads: int = 1) -> RealServer:
+def start_llama_server(work: Path, parallel: int = LLAMA_SLOTS, threads: int = 1,
+                       seed: int | None = None) -> RealServer:
     """llama.cpp's ``llama-server`` on a fresh tiny GGUF: ``parallel`` slots of the GGUF's
-    whole context each (``-c`` is shared by the slots), its metrics and slots endpoints on."""
-    model = write_tiny_gguf("llama-server", work / "tiny.gguf")
+    whole context each (``-c`` is shared by the slots), its metrics and slots endpoints on;
+    ``seed``: the GGUF of other weights that seed writes."""
+    model = write_tiny_gguf("llama-server", work / "tiny.gguf", seed)
     port = free_port()
     argv = [
         str(llama_server_binary()), "--model", str(model), "--alias", LLAMA_SERVED,
@@ -224,7 +227,8 @@ def start_litellm(work: Path, config: Callable[[int], dict[str, Any]] = litellm_
     return _ready(server, "/health/liveliness")
 
 
-STARTERS = {"llamacpp": start_llamacpp, "llama-server": start_llama_server, "litellm": start_litellm}
+STARTERS: dict[str, Callable[[Path], RealServer]] = {
+    "llamacpp": start_llamacpp, "llama-server": start_llama_server, "litellm": start_litellm}
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ never picks them (the text stays printable ASCII and runs until ``max_tokens``).
 
 Runs in the llama-cpp-python virtualenv (``gguf`` and ``numpy`` live there, not in iop's):
 
-    .venv-servers/llamacpp/bin/python tests/realservers/tiny_gguf.py OUT.gguf
+    .venv-servers/llamacpp/bin/python tests/realservers/tiny_gguf.py OUT.gguf [SEED]
+
+Another SEED writes other weights under the same shapes and vocabulary: another model that
+loads and answers alike, but answers other words (what a wrong model served under an id is).
 """
 
 from __future__ import annotations
@@ -68,11 +71,11 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write(path: str) -> None:
+def write(path: str, seed: int = SEED) -> None:
     import gguf
     import numpy as np
 
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
     head_dim = N_EMBD // N_HEAD
@@ -129,6 +132,6 @@ def write(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: tiny_gguf.py OUT.gguf")
-    write(sys.argv[1])
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: tiny_gguf.py OUT.gguf [SEED]")
+    write(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else SEED)
