@@ -38,7 +38,7 @@ from anyio.abc import TaskGroup
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from dispatcher import keys, wire
+from dispatcher import keys, qualifications, wire
 from dispatcher.config import ProviderConfig
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.probes import lacks_health
@@ -186,6 +186,10 @@ class CapacityControl:
                 if fields[1] == b"auto" and fields[0]:
                     learned = int(fields[0])
                 hint = int(fields[2]) if fields[2] else None
+                # A qualification's knee (iop qualify) is a better start than the slots hint.
+                seed = await qualifications.seeded_capacity(self._redis, provider.id)
+                if seed is not None:
+                    hint = seed
             except (RedisError, ValueError):
                 hint = None
             controller = LimitController.starting(floor, ceiling, learned, hint)

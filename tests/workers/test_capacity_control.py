@@ -17,9 +17,10 @@ import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import keys, qualifications
 from dispatcher.catalog import read_catalog
 from dispatcher.config import parse
+from dispatcher.qualifications import CapacitySeed
 from iop.redis_server import RedisServer, free_port
 from tests.workers.eventually import EVENTUALLY_S
 from workers.adapters import probes
@@ -196,3 +197,22 @@ async def test_without_metrics_the_capacity_is_learned_from_latency_alone(
         # Saturated, but no call finished: no evidence that more would keep up.
         assert (await fields(redis))["capacity"] == "2"
         assert "engine" not in (await fields(redis)) or (await fields(redis))["engine"] == ""
+
+
+async def test_an_auto_limit_with_nothing_learned_starts_at_its_qualification_s_knee(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    seed = CapacitySeed(capacity=6, model="m", run="run-1", started="2026-12-02T00:00:00Z")
+    await redis.hset(keys.CAPACITY_SEEDS, PROVIDER, qualifications.encode(seed))
+    async with serving(redis_server, engine, capacity="auto", max_capacity=16):
+        first = await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        assert first["capacity"] == "6"
+        assert first["cap_reason"] == "starting at 6"
+
+
+async def test_a_seed_above_the_ceiling_starts_at_the_ceiling(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    seed = CapacitySeed(capacity=40, model="m", run="run-1", started="2026-12-02T00:00:00Z")
+    await redis.hset(keys.CAPACITY_SEEDS, PROVIDER, qualifications.encode(seed))
+    async with serving(redis_server, engine, capacity="auto", max_capacity=8):
+        first = await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        assert first["capacity"] == "8"
