@@ -25,7 +25,7 @@ from dispatcher.plans import Plans
 from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenant, Tenants
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

@@ -37,7 +37,7 @@ from dispatcher.script_calls import Abort, AbortReason, CancelReason
 from dispatcher.scripts import NAMES, Scripts
 from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ from dispatcher import keys
 from dispatcher.plans import Plans
 from dispatcher.script_calls import CancelReason
 from dispatcher.tenants import Tenant, Tenants, flow_control
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

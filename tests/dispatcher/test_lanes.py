@@ -15,7 +15,7 @@ from dispatcher import events, keys
 from dispatcher.events import Failed
 from dispatcher.exceptions import ConfigError, ProviderUnreachable
 from dispatcher.plans import Lane, Plans
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 
