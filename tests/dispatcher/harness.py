@@ -1,5 +1,6 @@
-"""The script harness: a config of providers on one node, and the API and worker sides of
-the dispatch scripts against one Redis (the script tests of tests/dispatcher share it)."""
+"""The script harnesses the script tests of tests/dispatcher share: a config of providers on
+one node, and the API and worker sides of the dispatch scripts against one Redis; with lanes
+(providers that serve some endpoints only)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from typing import Any
 from redis.asyncio import Redis
 
 from dispatcher import config as cfg
-from dispatcher import keys
+from dispatcher import events, keys
 from dispatcher.api_side import ApiSide
-from dispatcher.events import Assignment, decode_record
-from dispatcher.plans import Plans
+from dispatcher.events import Assignment, Failed, decode_record
+from dispatcher.exceptions import ProviderUnreachable
+from dispatcher.plans import Lane, Plans
 from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
@@ -85,3 +87,38 @@ class Harness:
 
     async def queued(self, model: str) -> list[str]:
         return [j.decode() for j in await self.redis.zrange(keys.queue(model), 0, -1)]
+
+
+def lane_config(
+    endpoints: dict[str, list[str] | None], capacity: int = 1, max_attempts: int = 3, hold_ms: int = 0
+) -> cfg.Config:
+    """Providers (id -> endpoints, None = the type's default) on node n1, all serving model m;
+    ``hold_ms``: its queue.hold_when_unavailable_ms."""
+    return cfg.parse({
+        "dispatch": {"max_attempts": max_attempts},
+        "queue": {"hold_when_unavailable_ms": hold_ms},
+        "nodes": [{"id": "n1", "providers": [
+            {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": capacity,
+             "models": [f"m@{pid}"], **({"endpoints": eps} if eps is not None else {})}
+            for pid, eps in endpoints.items()
+        ]}],
+        "models": [{"id": "m", "providers": {pid: f"m@{pid}" for pid in endpoints}}],
+    }).config
+
+
+class LaneHarness(Harness):
+    """A Harness that submits to a given lane and finishes jobs as done or failed."""
+
+    async def submit_to(self, lane: Lane, pinned: bool = False, endpoint: str = "chat/completions") -> tuple[str, str]:
+        job = uuid.uuid4().hex
+        result = await self.api.submit(job, lane, b'{"model":"m"}', endpoint, False, pinned)
+        return job, result.status
+
+    async def fail(self, job: str) -> str:
+        """The provider failed ``job`` before any output (workers/job_run.py: retry)."""
+        a = await self.assignment(job)
+        event = events.encode(Failed.from_error(ProviderUnreachable("provider answered 500")))
+        return str(await self.node.finish(a, event, mode="retry"))
+
+    async def done(self, job: str) -> str:
+        return str(await self.node.finish(await self.assignment(job), b"", mode="done"))

@@ -13,8 +13,7 @@ from redis.asyncio import Redis
 from dispatcher import events, keys
 from dispatcher.control import Control
 from dispatcher.events import Failed
-from tests.dispatcher.harness import Harness, make_config
-from tests.dispatcher.test_lanes import LaneHarness, lane_config
+from tests.dispatcher.harness import Harness, LaneHarness, lane_config, make_config
 
 pytestmark = pytest.mark.anyio
 
