@@ -1,6 +1,6 @@
 """The script harnesses the script tests of tests/dispatcher share: a config of providers on
 one node, and the API and worker sides of the dispatch scripts against one Redis; with lanes
-(providers that serve some endpoints only)."""
+(providers that serve some endpoints only); with tenants (flow control)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dispatcher.exceptions import ProviderUnreachable
 from dispatcher.plans import Lane, Plans
 from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
+from dispatcher.tenants import Tenant, Tenants
 from dispatcher.worker_side import WorkerSide
 
 
@@ -122,3 +123,54 @@ class LaneHarness(Harness):
 
     async def done(self, job: str) -> str:
         return str(await self.node.finish(await self.assignment(job), b"", mode="done"))
+
+
+class FairHarness(Harness):
+    """A Harness with tenants: jobs sent as a tenant, in a band, under its limits."""
+
+    def __init__(self, redis: Redis, config: cfg.Config) -> None:
+        super().__init__(redis, config)
+        self.tenants = Tenants(config)
+
+    async def start(self) -> None:
+        await self.scripts.load()
+        limits = self.tenants.limits()
+        if limits:
+            await self.redis.hset(keys.TENANT_LIMITS, mapping=limits)  # type: ignore[arg-type]
+        for _, prov in self.config.providers():
+            await self.up(prov.id)
+
+    async def send(self, tenant: str, band: int | None = None) -> tuple[str, str]:
+        t: Tenant = self.tenants.by_name[tenant]
+        plans: Plans = self.calls.plans
+        lane = plans.banded(plans.main_lane("m"), t.band if band is None else band)
+        job = t.job_id(uuid.uuid4().hex[:12])
+        result = await self.api.submit(job, lane, b'{"model":"m"}', "chat/completions", False, tenant=t)
+        return job, result.status
+
+    async def running(self) -> list[str]:
+        return [a.job for a in await self.assignments() if await self.record(a.job) is not None]
+
+    async def finish_one(self, job: str) -> list[str]:
+        """Finish ``job``; the jobs dispatched by the freed slot."""
+        before = {a.job for a in await self.assignments()}
+        await self.node.finish(await self.assignment(job), b"", mode="done")
+        return [a.job for a in await self.assignments() if a.job not in before]
+
+    async def counters(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(keys.TENANTS)
+        return {k.decode(): int(v) for k, v in raw.items() if int(v)}
+
+
+def tenant_of(job: str) -> str:
+    return job.partition("~")[0]
+
+
+async def drain(h: FairHarness, n: int) -> list[str]:
+    """Finish running jobs one at a time, ``n`` times: the order the freed slots went in."""
+    order: list[str] = []
+    for _ in range(n):
+        running = await h.running()
+        assert running, "nothing running"
+        order += [tenant_of(j) for j in await h.finish_one(running[0])]
+    return order

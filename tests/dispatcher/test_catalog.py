@@ -16,8 +16,7 @@ from dispatcher import keys
 from dispatcher.capability_flags import LifecycleFlags
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
-from tests.dispatcher.harness import Harness
-from tests.dispatcher.test_flow_control import FairHarness
+from tests.dispatcher.harness import FairHarness, Harness
 
 pytestmark = pytest.mark.anyio
 
