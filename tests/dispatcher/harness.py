@@ -4,6 +4,7 @@ one node, and the API and worker sides of the dispatch scripts against one Redis
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -88,6 +89,22 @@ class Harness:
 
     async def queued(self, model: str) -> list[str]:
         return [j.decode() for j in await self.redis.zrange(keys.queue(model), 0, -1)]
+
+    async def now_ms(self) -> int:
+        """The server's clock, ms, as the scripts read it (lua/lib/jobs.lua now_ms)."""
+        seconds, micros = await self.redis.time()
+        return seconds * 1000 + micros // 1000
+
+    async def backdate(self, job: str, field: str, ms: int) -> None:
+        """Move the time ``field`` of ``job``'s record ``ms`` into the past, as if that long
+        had gone by since a script wrote it: the scripts read the server's clock, which a
+        test cannot move, and a real wait would race a loaded machine."""
+        raw = await self.redis.hget(keys.JOBS, job)
+        assert raw is not None, f"no record of {job}"
+        rec = json.loads(raw)
+        assert isinstance(rec.get(field), int), (field, rec)
+        rec[field] -= ms
+        await self.redis.hset(keys.JOBS, job, json.dumps(rec))
 
 
 def lane_config(
