@@ -18,6 +18,7 @@ from dispatcher import events
 from dispatcher.config import parse
 from dispatcher.events import Assignment, Done, End, Failed, Start
 from dispatcher.exceptions import ProviderError
+from dispatcher.live import LiveSample
 from dispatcher.script_calls import EmitOutcome, FinishOutcome
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
@@ -59,7 +60,8 @@ class RecordingSide:
         self.later.append(event)
 
     async def finish(self, job: Assignment, event: bytes | None, *, mode: str = "done", tokens: int = 0,
-                     prompt: int = 0, cached: int = 0, verdict: str = "") -> FinishOutcome:
+                     prompt: int = 0, cached: int = 0, verdict: str = "",
+                     live: LiveSample | None = None) -> FinishOutcome:
         if self.finish_failures:
             self.finish_failures -= 1
             raise RedisConnectionError("Redis away")
