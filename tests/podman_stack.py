@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from iop.redis_server import free_port
+from tests.waiting import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT / "dev"
@@ -165,13 +165,5 @@ class Stack:
 
     @staticmethod
     def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 120, pause: float = 0.5) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if predicate():
-                    return
-            except (httpx.HTTPError, AssertionError, subprocess.SubprocessError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-            time.sleep(pause)
+        eventually_sync(predicate, what=what, within=timeout, every=pause,
+                        retrying=(httpx.HTTPError, AssertionError, subprocess.SubprocessError))

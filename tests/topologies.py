@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 
 from dispatcher.redis_topology import IOP_SLOT, Address
 from iop.redis_server import RedisServer, die_with_parent, find_redis_server, free_port
+from tests.waiting import eventually_sync
 
 NODE_TIMEOUT_MS = 1000
 DOWN_AFTER_MS = 1000
@@ -40,18 +40,12 @@ def redis_cli() -> str | None:
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 15.0, interval: float = 0.05) -> T:
     """The first truthy result of ``probe`` (RedisError counts as not yet)."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            last = probe()
-            if last:
-                return last
-        except RedisError as exc:
-            last = exc
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout}s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
+    try:
+        found: T = eventually_sync(probe, what=what, within=timeout, every=interval,
+                                   retrying=(RedisError,))
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
+    return found
 
 
 def _bindable(port: int) -> bool:

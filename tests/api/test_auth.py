@@ -9,7 +9,7 @@ import pytest
 from api.auth import CallerKeys
 from dispatcher.exceptions import Unauthorized
 from dispatcher.tenants import Tenants
-from tests.dispatcher.test_tenants import BANDS, KEYS, config
+from tests.dispatcher.tenant_config import BANDS, KEYS, config
 
 
 def callers(monkeypatch: pytest.MonkeyPatch, **api: Any) -> CallerKeys:

@@ -22,8 +22,8 @@ from api.app import create_app
 from api.auth import exposure_notes, is_loopback, listens_on_loopback
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.api.test_app import make_config
-from tests.api.test_operator import samples
+from tests.api.app_config import make_config
+from tests.api.prometheus import samples
 
 pytestmark = pytest.mark.anyio
 

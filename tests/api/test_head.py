@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from api.app import create_app
 from iop.processes import Child, wait_http
 from iop.redis_server import RedisServer, free_port
-from tests.api.test_app import make_config
+from tests.api.app_config import make_config
 from tests.dispatcher.config.one_model import ONE_MODEL
 
 pytestmark = pytest.mark.anyio

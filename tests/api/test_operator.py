@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
-from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from api.app import create_app
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.api.test_app import make_config
+from tests.api.app_config import make_config
+from tests.api.prometheus import samples
 
 pytestmark = pytest.mark.anyio
 
@@ -22,14 +22,6 @@ pytestmark = pytest.mark.anyio
 async def client(redis_server: RedisServer, redis: Redis) -> AsyncIterator[AsyncTestClient[Any]]:
     async with AsyncTestClient(create_app(make_config(redis_server.url))) as c:
         yield c
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 async def test_catalog_json(client: AsyncTestClient[Any], redis: Redis) -> None:

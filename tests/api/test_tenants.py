@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from api.app import create_app
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.api.test_app import make_config
+from tests.api.app_config import make_config
 
 pytestmark = pytest.mark.anyio
 

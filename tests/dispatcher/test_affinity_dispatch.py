@@ -10,7 +10,6 @@ import uuid
 from collections import Counter
 from typing import Any
 
-import anyio
 import pytest
 from redis.asyncio import Redis
 
@@ -25,7 +24,7 @@ from dispatcher.plans import Plans
 from dispatcher.script_calls import ScriptCalls
 from dispatcher.scripts import Scripts
 from dispatcher.tenants import Tenant, Tenants
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 
@@ -184,7 +183,10 @@ async def test_new_heads_fill_the_providers_evenly(any_redis: Redis) -> None:
 
 
 async def test_a_busy_home_is_waited_for_within_max_wait(any_redis: Redis) -> None:
-    h = await started(any_redis, affine_config({"a": 1, "b": 1}, max_wait_ms=300))
+    # A wait far longer than the test, so that "still waiting" cannot race a loaded
+    # machine; the wait is then made to have lasted that long rather than waited out.
+    max_wait_ms = 60_000
+    h = await started(any_redis, affine_config({"a": 1, "b": 1}, max_wait_ms=max_wait_ms))
     x, y = TENANT_DOCS["a"], TENANT_DOCS["b"]
     x1, home = await h.send(chat(x, "x1"))
     other = "b" if home == "a" else "a"
@@ -201,7 +203,8 @@ async def test_a_busy_home_is_waited_for_within_max_wait(any_redis: Redis) -> No
     # Waited for max_wait_ms, a job takes the next free slot, wherever.
     x3, where = await h.send(chat(x, "x3"))
     assert where is None
-    await anyio.sleep(0.35)
+    assert (await h.record(x3)).provider is None
+    await h.backdate(x3, "passed_ms", max_wait_ms)  # held for its home since max_wait_ms ago
     _, where = await h.send(chat(y, "y2"))  # any call pumps; the head goes first
     assert (await h.record(x3)).provider == other
     assert where is None

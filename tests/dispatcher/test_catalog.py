@@ -17,8 +17,7 @@ from dispatcher.capability_flags import LifecycleFlags
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from dispatcher.plans import Plans
-from tests.dispatcher.test_flow_control import FairHarness
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import FairHarness, Harness
 
 pytestmark = pytest.mark.anyio
 

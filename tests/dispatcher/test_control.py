@@ -14,7 +14,7 @@ from dispatcher import events, keys
 from dispatcher.catalog import read_catalog
 from dispatcher.control import Control, DrainState
 from dispatcher.exceptions import UnknownProvider
-from tests.dispatcher.test_lanes import LaneHarness, lane_config
+from tests.dispatcher.harness import LaneHarness, lane_config
 
 pytestmark = pytest.mark.anyio
 

@@ -1,10 +1,11 @@
 """Deadlines in the scripts, against a real Redis: a queue's drain rate is measured while it
-has a backlog (``lua/lib/pump.lua`` note_drain), and a submit whose place in the queue times
+has a backlog (``lua/lib/drain_rate.lua`` note_drain), and a submit whose place in the queue times
 that rate is over its deadline is refused at once (``lua/submit.lua``); a caller's deadline
 shortens the queue wait."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any
 
@@ -14,12 +15,15 @@ from redis.asyncio import Redis
 
 from dispatcher import keys, wire
 from dispatcher.script_calls import SubmitStatus, Submitted
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
 
 
 class DeadlineHarness(Harness):
+    # The server's clock just before and just after each finish of ``backlog``.
+    finished: list[tuple[int, int]]
+
     async def send(self, deadline_ms: int = 0) -> tuple[str, Submitted]:
         job = uuid.uuid4().hex
         lane = self.calls.plans.main_lane("m")
@@ -38,14 +42,17 @@ class DeadlineHarness(Harness):
 async def backlog(redis: Redis, spacing_s: float, **queue: Any) -> tuple[DeadlineHarness, list[str]]:
     """One slot; a job running and eleven waiting; nine finish ``spacing_s`` apart: the
     queue drained one job per ``spacing_s`` while it had a backlog (a block of eight
-    intervals, lua/lib/pump.lua note_drain); one runs and two wait."""
+    intervals, lua/lib/drain_rate.lua note_drain); one runs and two wait."""
     h = DeadlineHarness(redis, make_config({"p": 1}, {"m": ["p"]}, **queue))
+    h.finished = []
     await h.up("p")
     jobs = [(await h.send())[0] for _ in range(12)]
     assert await h.interval() is None  # nothing waited yet: no rate
     for i, job in enumerate(jobs[:9]):
         await anyio.sleep(spacing_s)
+        before = await h.now_ms()
         await h.finish(job)
+        h.finished.append((before, await h.now_ms()))
         if i < 8:
             assert await h.interval() is None  # a block of eight intervals first: bursts even out
     return h, jobs
@@ -55,7 +62,12 @@ async def test_the_drain_rate_is_measured_while_the_queue_has_a_backlog(any_redi
     h, jobs = await backlog(any_redis, 0.1)
     interval = await h.interval()
     assert interval is not None
-    assert 80 <= interval <= 300
+    # The block's mean: from the first dispatch of a job that waited to the eighth after it,
+    # each read off the server's clock around its finish (however loaded the machine), and
+    # written to 0.1 ms.
+    (first_before, first_after), (last_before, last_after) = h.finished[0], h.finished[8]
+    assert (last_before - first_after) / 8 - 0.05 <= interval <= (last_after - first_before) / 8 + 0.05
+    assert interval >= 99  # the finishes were 100 ms apart at least (whole ms on both ends)
     # Emptied, the queue keeps its rate, but the idle time until the next backlog never counts.
     for job in jobs[9:]:
         await h.finish(job)
@@ -68,15 +80,22 @@ async def test_the_drain_rate_is_measured_while_the_queue_has_a_backlog(any_redi
 
 async def test_a_wait_predicted_over_the_deadline_is_refused_at_once(any_redis: Redis) -> None:
     h, _ = await backlog(any_redis, 0.1)
-    # Two wait, one runs: a third's place would take about 3 x 100 ms.
+    interval = await h.interval()
+    assert interval is not None
+    assert interval >= 99  # the finishes were 100 ms apart at least (whole ms on both ends)
+    # Two wait, one runs: a third's place is k = 3 intervals away, and its 95th percentile
+    # k + 1.65 sqrt(k) intervals (lua/submit.lua): over 500 ms, the deadline 150 ms.
     _, refused = await h.send(deadline_ms=150)
     assert refused.status == SubmitStatus.DEADLINE_UNMEETABLE
-    assert 50 <= int(refused.why) <= 800  # the predicted wait beyond the deadline, ms
+    # The predicted wait beyond the deadline, ms.
+    assert int(refused.why) == math.ceil((3 + 1.65 * math.sqrt(3)) * interval - 150)
     assert refused.queued == 2  # and it left the queue
-    # A deadline the queue can meet: it waits, and no longer than its deadline.
-    _, queued = await h.send(deadline_ms=5_000)
+    # A deadline the queue can meet (a second over that percentile): it waits, and no longer
+    # than its deadline.
+    meetable = math.ceil((3 + 1.65 * math.sqrt(3)) * interval) + 1_000
+    _, queued = await h.send(deadline_ms=meetable)
     assert queued.status == SubmitStatus.QUEUED
-    assert queued.wait_ms <= 5_000
+    assert queued.wait_ms <= meetable
 
 
 async def test_without_a_deadline_or_a_shedding_setting_nothing_is_refused(any_redis: Redis) -> None:

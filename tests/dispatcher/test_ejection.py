@@ -22,7 +22,7 @@ from dispatcher import keys
 from dispatcher.catalog import read_catalog
 from dispatcher.events import Assignment
 from dispatcher.script_calls import CancelReason
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
 

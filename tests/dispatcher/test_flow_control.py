@@ -4,7 +4,6 @@ keeps its place, and the per-tenant limits."""
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from typing import Any
 
@@ -15,8 +14,8 @@ from dispatcher import config as cfg
 from dispatcher import keys
 from dispatcher.plans import Plans
 from dispatcher.script_calls import CancelReason
-from dispatcher.tenants import Tenant, Tenants, flow_control
-from tests.dispatcher.test_scripts import Harness
+from dispatcher.tenants import Tenants, flow_control
+from tests.dispatcher.harness import FairHarness, drain, tenant_of
 
 pytestmark = pytest.mark.anyio
 
@@ -37,41 +36,6 @@ def fc_config(tenants: dict[str, dict[str, Any]], capacity: int = 1, priorities:
     }).config
 
 
-class FairHarness(Harness):
-    def __init__(self, redis: Redis, config: cfg.Config) -> None:
-        super().__init__(redis, config)
-        self.tenants = Tenants(config)
-
-    async def start(self) -> None:
-        await self.scripts.load()
-        limits = self.tenants.limits()
-        if limits:
-            await self.redis.hset(keys.TENANT_LIMITS, mapping=limits)  # type: ignore[arg-type]
-        for _, prov in self.config.providers():
-            await self.up(prov.id)
-
-    async def send(self, tenant: str, band: int | None = None) -> tuple[str, str]:
-        t: Tenant = self.tenants.by_name[tenant]
-        plans: Plans = self.calls.plans
-        lane = plans.banded(plans.main_lane("m"), t.band if band is None else band)
-        job = t.job_id(uuid.uuid4().hex[:12])
-        result = await self.api.submit(job, lane, b'{"model":"m"}', "chat/completions", False, tenant=t)
-        return job, result.status
-
-    async def running(self) -> list[str]:
-        return [a.job for a in await self.assignments() if await self.record(a.job) is not None]
-
-    async def finish_one(self, job: str) -> list[str]:
-        """Finish ``job``; the jobs dispatched by the freed slot."""
-        before = {a.job for a in await self.assignments()}
-        await self.node.finish(await self.assignment(job), b"", mode="done")
-        return [a.job for a in await self.assignments() if a.job not in before]
-
-    async def counters(self) -> dict[str, int]:
-        raw = await self.redis.hgetall(keys.TENANTS)
-        return {k.decode(): int(v) for k, v in raw.items() if int(v)}
-
-
 @pytest.fixture
 def fair(any_redis: Redis) -> Any:
     async def make(config: cfg.Config) -> FairHarness:
@@ -79,20 +43,6 @@ def fair(any_redis: Redis) -> Any:
         await h.start()
         return h
     return make
-
-
-def tenant_of(job: str) -> str:
-    return job.partition("~")[0]
-
-
-async def drain(h: FairHarness, n: int) -> list[str]:
-    """Finish running jobs one at a time, ``n`` times: the order the freed slots went in."""
-    order: list[str] = []
-    for _ in range(n):
-        running = await h.running()
-        assert running, "nothing running"
-        order += [tenant_of(j) for j in await h.finish_one(running[0])]
-    return order
 
 
 def test_flow_control_is_off_for_one_tenant_one_band_no_limits() -> None:

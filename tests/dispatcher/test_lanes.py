@@ -4,7 +4,6 @@ Plans from config, and the scripts against real Redis servers."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -12,29 +11,11 @@ from redis.asyncio import Redis
 
 from dispatcher import config as cfg
 from dispatcher import events, keys
-from dispatcher.events import Failed
-from dispatcher.exceptions import ConfigError, ProviderUnreachable
+from dispatcher.exceptions import ConfigError
 from dispatcher.plans import Lane, Plans
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import LaneHarness, lane_config
 
 pytestmark = pytest.mark.anyio
-
-
-def lane_config(
-    endpoints: dict[str, list[str] | None], capacity: int = 1, max_attempts: int = 3, hold_ms: int = 0
-) -> cfg.Config:
-    """Providers (id -> endpoints, None = the type's default) on node n1, all serving model m;
-    ``hold_ms``: its queue.hold_when_unavailable_ms."""
-    return cfg.parse({
-        "dispatch": {"max_attempts": max_attempts},
-        "queue": {"hold_when_unavailable_ms": hold_ms},
-        "nodes": [{"id": "n1", "providers": [
-            {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": capacity,
-             "models": [f"m@{pid}"], **({"endpoints": eps} if eps is not None else {})}
-            for pid, eps in endpoints.items()
-        ]}],
-        "models": [{"id": "m", "providers": {pid: f"m@{pid}" for pid in endpoints}}],
-    }).config
 
 
 # --- plans -------------------------------------------------------------------------------------------
@@ -71,22 +52,6 @@ def test_unknown_endpoint_names_are_config_errors() -> None:
 
 
 # --- scripts -----------------------------------------------------------------------------------------
-
-
-class LaneHarness(Harness):
-    async def submit_to(self, lane: Lane, pinned: bool = False, endpoint: str = "chat/completions") -> tuple[str, str]:
-        job = uuid.uuid4().hex
-        result = await self.api.submit(job, lane, b'{"model":"m"}', endpoint, False, pinned)
-        return job, result.status
-
-    async def fail(self, job: str) -> str:
-        """The provider failed ``job`` before any output (workers/job_run.py: retry)."""
-        a = await self.assignment(job)
-        event = events.encode(Failed.from_error(ProviderUnreachable("provider answered 500")))
-        return str(await self.node.finish(a, event, mode="retry"))
-
-    async def done(self, job: str) -> str:
-        return str(await self.node.finish(await self.assignment(job), b"", mode="done"))
 
 
 @pytest.fixture

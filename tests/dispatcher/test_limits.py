@@ -19,7 +19,7 @@ from dispatcher import keys, wire
 from dispatcher.catalog import read_catalog
 from dispatcher.script_calls import SubmitStatus, Submitted
 from dispatcher.tenants import Tenants
-from tests.dispatcher.test_scripts import Harness
+from tests.dispatcher.harness import Harness
 
 pytestmark = pytest.mark.anyio
 

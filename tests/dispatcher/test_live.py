@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from dispatcher import keys, live, scripts, wire
 from dispatcher.catalog import read_catalog
 from dispatcher.live import LiveSample, percentile
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from dispatcher import events, keys
 from dispatcher.events import Failed, Meta, Requeued, Start
 from dispatcher.reaper import ORPHAN_GRACE_MS, Reaper, Reconciled, gone
 from dispatcher.script_calls import Abort, AbortReason, CancelReason, Correction
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ from dispatcher import config as cfg
 from dispatcher import keys
 from dispatcher.reaper import Reaper, Reconciled
 from dispatcher.script_calls import CancelReason, Correction
-from tests.dispatcher.test_flow_control import FairHarness
+from tests.dispatcher.harness import FairHarness
 
 pytestmark = pytest.mark.anyio
 

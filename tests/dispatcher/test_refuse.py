@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import pytest
 from redis.asyncio import Redis
 
 from dispatcher import events, keys
 from dispatcher.control import Control
 from dispatcher.events import Failed
-from tests.dispatcher.test_lanes import LaneHarness, lane_config
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, LaneHarness, lane_config, make_config
 
 pytestmark = pytest.mark.anyio
 
@@ -80,18 +78,26 @@ async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> No
 
 
 async def test_a_held_job_is_answered_only_after_the_hold(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=300))
+    # A hold far longer than the test, so that "not refused yet" cannot race a loaded
+    # machine; its end is then moved into the past rather than waited for.
+    hold_ms = 60_000
+    h = harness(make_config({"a": 1}, {"m": ["a"]}, hold_when_unavailable_ms=hold_ms))
     early, status = await h.submit("m")
     assert status == "queued"  # no provider, but the model holds
     await h.up("a")  # it comes back in time: the held job goes
     assert (await h.assignment(early)).provider == "a"
     later, status = await h.submit("m")
     assert status == "queued"  # a is busy
+    assert (await h.record(later)).hold_until_ms is None  # a provider was up: no hold yet
+    before = await h.now_ms()
     await h.node.heartbeat("a", "unavailable", [("reason", "restarting")])
+    after = await h.now_ms()
     # Its hold starts now: not refused yet.
+    assert before + hold_ms <= (await h.record(later)).hold_until_ms <= after + hold_ms
     assert await answers(h) == {}
     assert await h.calls.refuse() == 0
-    await anyio.sleep(0.4)
+    assert await answers(h) == {}
+    await h.backdate(later, "hold_until_ms", hold_ms)  # the hold has run out
     assert await h.calls.refuse() == 1
     assert (await answers(h))[later].code == "no_provider_available"
 

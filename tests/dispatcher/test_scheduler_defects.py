@@ -15,8 +15,7 @@ from dispatcher import keys
 from dispatcher.reaper import Reaper
 from dispatcher.script_calls import CancelReason
 from dispatcher.tenants import Tenants
-from tests.dispatcher.test_flow_control import FairHarness, drain
-from tests.dispatcher.test_lanes import LaneHarness, lane_config
+from tests.dispatcher.harness import FairHarness, LaneHarness, drain, lane_config
 
 pytestmark = pytest.mark.anyio
 

@@ -9,85 +9,12 @@ import anyio
 import pytest
 from redis.asyncio import Redis
 
-from dispatcher import config as cfg
 from dispatcher import keys
-from dispatcher.api_side import ApiSide
-from dispatcher.events import Assignment, decode_record
-from dispatcher.plans import Plans
-from dispatcher.script_calls import Abort, AbortReason, CancelReason, ScriptCalls
-from dispatcher.scripts import Scripts
-from dispatcher.worker_side import WorkerSide
+from dispatcher.events import Assignment
+from dispatcher.script_calls import Abort, AbortReason, CancelReason
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
-
-
-def make_config(providers: dict[str, int], models: dict[str, list[str]], **queue: Any) -> cfg.Config:
-    """Providers (id -> capacity) on node n1, served as '<model>@<provider>'."""
-    return cfg.parse(
-        {
-            "queue": queue,
-            "nodes": [
-                {
-                    "id": "n1",
-                    "providers": [
-                        {
-                            "id": pid,
-                            "type": "vllm",
-                            "base_url": "http://127.0.0.1:1",
-                            "capacity": cap,
-                            "models": [f"{m}@{pid}" for m, ps in models.items() if pid in ps],
-                        }
-                        for pid, cap in providers.items()
-                    ],
-                }
-            ],
-            "models": [{"id": m, "providers": {p: f"{m}@{p}" for p in ps}} for m, ps in models.items()],
-        }
-    ).config
-
-
-class Harness:
-    def __init__(self, redis: Redis, config: cfg.Config) -> None:
-        self.redis = redis
-        self.config = config
-        scripts = Scripts(redis)
-        plans = Plans(config)
-        self.scripts = scripts
-        self.calls = ScriptCalls(scripts, config, plans)
-        self.api = ApiSide(self.calls, redis, "rep1")
-        self.node = WorkerSide(lambda: self.calls, redis, "n1")
-
-    async def up(self, pid: str, health: str = "available") -> None:
-        prov = next(p for _, p in self.config.providers() if p.id == pid)
-        await self.node.heartbeat(pid, health, [("capacity", prov.capacity), ("node", "n1")])
-
-    async def submit(self, model: str, job: str | None = None) -> tuple[str, str]:
-        job = job or uuid.uuid4().hex
-        m = self.config.model(model)
-        assert m is not None
-        lane = self.calls.plans.main_lane(m.id)
-        result = await self.api.submit(job, lane, b'{"model":"%s"}' % model.encode(), "chat/completions", False)
-        return job, result.status
-
-    async def assignments(self) -> list[Assignment]:
-        entries = await self.redis.xrange(keys.node("n1"))
-        return [Assignment.from_entry(eid, fields) for eid, fields in entries]
-
-    async def assignment(self, job: str) -> Assignment:
-        return next(a for a in await self.assignments() if a.job == job)
-
-    async def in_flight(self, pid: str) -> int:
-        return int(await self.redis.hget(keys.provider(pid), "in_flight") or 0)
-
-    async def set_in_flight(self, pid: str, n: int) -> None:
-        await self.redis.hset(keys.provider(pid), "in_flight", n)
-
-    async def record(self, job: str) -> Any:
-        raw = await self.redis.hget(keys.JOBS, job)
-        return None if raw is None else decode_record(raw)
-
-    async def queued(self, model: str) -> list[str]:
-        return [j.decode() for j in await self.redis.zrange(keys.queue(model), 0, -1)]
 
 
 @pytest.fixture

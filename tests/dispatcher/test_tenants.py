@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import pytest
@@ -10,26 +9,11 @@ import pytest
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError, InvalidRequest
 from dispatcher.tenants import Tenants
-
-
-def config(monkeypatch: pytest.MonkeyPatch, **api: Any) -> cfg.Config:
-    monkeypatch.setenv("T_WEB", "web-secret")
-    monkeypatch.setenv("T_LEGACY", "old-1, old-2")
-    return cfg.parse({"api": api, "models": [{"id": "qwen3.6:35b", "providers": {"p": "s"}},
-                                                     {"id": "llama3.1:8b", "providers": {"p": "s"}}],
-                              "nodes": [{"id": "n", "providers": [
-                                  {"id": "p", "type": "vllm", "base_url": "http://h:1", "models": ["s"]}]}]}).config
+from tests.dispatcher.tenant_config import BANDS, KEYS, config
 
 
 def tenants(monkeypatch: pytest.MonkeyPatch, **api: Any) -> Tenants:
     return Tenants(config(monkeypatch, **api))
-
-
-KEYS = [
-    {"name": "web", "key_env": "T_WEB", "priority": "interactive", "models": ["qwen3.6:*"]},
-    {"name": "eval", "key_sha256": hashlib.sha256(b"eval-secret").hexdigest(), "priority": "batch"},
-]
-BANDS = ["interactive", "standard", "batch"]
 
 
 def test_allow_lists_are_globs(monkeypatch: pytest.MonkeyPatch) -> None:

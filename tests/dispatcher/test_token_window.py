@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from dispatcher import keys, wire
 from dispatcher.catalog import read_catalog
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 
 pytestmark = pytest.mark.anyio
 

@@ -25,6 +25,7 @@ from redis import Redis
 from dispatcher import keys
 from iop.processes import START_TIMEOUT_S, Child, wait_http, wait_port
 from iop.redis_server import RedisServer, free_port
+from tests.waiting import eventually_sync
 
 
 def fast_dispatch(lease_ms: int = 1500, **overrides: Any) -> dict[str, Any]:
@@ -190,12 +191,10 @@ class System:
         self.wait_until(f"{worker.name} serving", lambda: "serving node" in worker.log())
 
     def wait_until(self, what: str, predicate: Any, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"{what}: not true within {timeout}s\n{self.logs()}")
+        try:
+            eventually_sync(predicate, what=what, within=timeout, every=0.05)
+        except AssertionError as exc:
+            raise TimeoutError(f"{exc}\n{self.logs()}") from None
 
     # --- teardown --------------------------------------------------------------------------------
 

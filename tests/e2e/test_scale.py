@@ -60,7 +60,7 @@ import pytest
 
 from dispatcher import keys
 from iop.redis_server import RedisServer
-from tests.dispatcher.test_cluster_keys import Command, MonitorRecorder
+from tests.dispatcher.monitor import Command, MonitorRecorder
 from tests.e2e.system import InFlightSampler, System, http_provider
 
 pytestmark = pytest.mark.anyio

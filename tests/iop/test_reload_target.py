@@ -20,6 +20,7 @@ from iop.redis_server import RedisServer, free_port
 from iop.reload_target import iop_command, parent_of, process_at
 from iop.up import pid_file
 from tests.dispatcher.config.one_model import ONE_MODEL
+from tests.waiting import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSOLE_SCRIPT = Path(sys.executable).parent / "iop"
@@ -97,11 +98,17 @@ def config_file(tmp_path: Path, redis_server: RedisServer) -> Path:
 
 def wait_for(child: Child, what: str, seen: int = 0) -> None:
     """Until ``what`` is in the child's log ``seen + 1`` times."""
-    deadline = time.monotonic() + 30
-    while child.log().count(what) <= seen:
+
+    def logged() -> bool:
         assert child.alive(), child.log()
-        assert time.monotonic() < deadline, f"no {what!r} in the log of {child.name}:\n{child.log()}"
-        time.sleep(0.05)
+        return child.log().count(what) > seen
+
+    try:
+        eventually_sync(logged, within=30)
+    except AssertionError as exc:
+        if not child.alive():
+            raise
+        raise AssertionError(f"no {what!r} in the log of {child.name}:\n{child.log()}") from exc
 
 
 def env_without_redis() -> dict[str, str]:

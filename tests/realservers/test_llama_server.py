@@ -26,6 +26,7 @@ from tests.realservers.conftest import LLAMA_SERVER_ID, SLOTS_ALIAS, llama_serve
 from tests.realservers.servers import LLAMA_SERVED, LLAMA_SLOTS, RealServer
 from tests.realservers.tap import Tap
 from tests.realservers.tiny_gguf import N_CTX
+from tests.waiting import eventually_sync
 
 pytestmark = pytest.mark.realservers
 
@@ -52,11 +53,10 @@ def metric(server: RealServer, name: str) -> float:
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not true within {timeout}s")
-        time.sleep(0.02)
+    try:
+        eventually_sync(predicate, what=what, within=timeout, every=0.02)
+    except AssertionError as exc:
+        raise TimeoutError(str(exc)) from None
 
 
 class Streams:

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from dispatcher import keys
 from dispatcher.events import Assignment
 from iop.redis_server import RedisServer
-from tests.workers.eventually import EVENTUALLY_S, until
+from tests.waiting import EVENTUALLY_S, eventually
 from workers.cancels import CancelListener
 from workers.leases import CANCELLED, Runs
 
@@ -68,7 +68,7 @@ async def test_a_published_cancel_aborts_the_running_job(listening: tuple[Runs, 
     runs, _ = listening
     mine, other = runs.start(job("j1")), runs.start(job("j2"))
     await redis.publish(keys.cancel_channel(NODE), "j1")
-    await until(lambda: mine.abort_reason is not None)
+    await eventually(lambda: mine.abort_reason is not None)
     assert mine.abort_reason == CANCELLED
     assert mine.scope.cancel_called
     assert other.abort_reason is None
@@ -77,7 +77,7 @@ async def test_a_published_cancel_aborts_the_running_job(listening: tuple[Runs, 
 async def test_a_cancel_of_a_job_not_here_yet_waits_for_it(listening: tuple[Runs, Subscriptions], redis: Redis) -> None:
     runs, _ = listening
     await redis.publish(keys.cancel_channel(NODE), "j1")
-    await until(lambda: "j1" in runs.early_cancels)
+    await eventually(lambda: "j1" in runs.early_cancels)
     assert runs.start(job("j1")).abort_reason == CANCELLED
 
 
@@ -86,7 +86,7 @@ async def test_another_node_cancels_are_not_heard(listening: tuple[Runs, Subscri
     running = runs.start(job("j1"))
     await redis.publish(keys.cancel_channel("n2"), "j1")
     await redis.publish(keys.cancel_channel(NODE), "marker")  # heard after the other one, if that were
-    await until(lambda: "marker" in runs.early_cancels)
+    await eventually(lambda: "marker" in runs.early_cancels)
     assert running.abort_reason is None
 
 
@@ -99,7 +99,7 @@ async def test_the_listener_subscribes_again_after_losing_its_connection(
     await subscriptions.until(2)  # subscribed again, and a renewal asked for what it missed
     running = runs.start(job("j1"))
     await redis.publish(keys.cancel_channel(NODE), "j1")
-    await until(lambda: running.abort_reason is not None)
+    await eventually(lambda: running.abort_reason is not None)
 
 
 class _BrokenOnce:

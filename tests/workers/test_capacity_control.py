@@ -22,7 +22,7 @@ from dispatcher.catalog import read_catalog
 from dispatcher.config import parse
 from dispatcher.qualifications import CapacitySeed
 from iop.redis_server import RedisServer, free_port
-from tests.workers.eventually import EVENTUALLY_S
+from tests.waiting import eventually
 from workers.adapters import probes
 from workers.worker import Worker
 
@@ -108,13 +108,7 @@ async def fields(redis: Redis) -> dict[str, str]:
 
 
 async def until(redis: Redis, what: str, predicate: Any) -> dict[str, str]:
-    with anyio.fail_after(EVENTUALLY_S):
-        while True:
-            f = await fields(redis)
-            if predicate(f):
-                return f
-            await anyio.sleep(0.05)
-    raise AssertionError(what)
+    return await eventually(lambda: fields(redis), predicate, what=what, every=0.05)
 
 
 async def busy(redis: Redis, in_flight: int, backlog: bool = True) -> None:

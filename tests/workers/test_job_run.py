@@ -22,7 +22,7 @@ from dispatcher.live import LiveSample
 from dispatcher.script_calls import EmitOutcome, FinishOutcome
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
-from tests.workers.eventually import EVENTUALLY_S, until
+from tests.waiting import EVENTUALLY_S, eventually
 from workers.job_run import JobRunner
 from workers.leases import SHUTDOWN, Running, Runs
 from workers.runtime import ProviderAdapters
@@ -229,7 +229,7 @@ async def test_a_cancel_stops_a_running_call(runner: Runner) -> None:
     with anyio.fail_after(EVENTUALLY_S):
         async with anyio.create_task_group() as tg:
             tg.start_soon(runner.runner.run, chat_job())
-            await until(lambda: len(runner.runs) == 1)
+            await eventually(lambda: len(runner.runs) == 1)
             runner.runs.cancel("j1")
     [finished] = runner.side.finished
     assert finished.event is None
@@ -241,7 +241,7 @@ async def test_a_job_given_up_at_shutdown_goes_back_to_its_queue(runner: Runner)
     with anyio.fail_after(EVENTUALLY_S):
         async with anyio.create_task_group() as tg:
             tg.start_soon(runner.runner.run, chat_job())
-            await until(lambda: len(runner.runs) == 1)
+            await eventually(lambda: len(runner.runs) == 1)
             runner.runs.abort_all(SHUTDOWN)
     [finished] = runner.side.finished
     assert finished.mode == "requeue"

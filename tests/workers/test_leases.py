@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from dispatcher.events import Assignment
 from dispatcher.script_calls import Abort, AbortReason
-from tests.workers.eventually import EVENTUALLY_S
+from tests.waiting import EVENTUALLY_S
 from workers.leases import CANCELLED, SHUTDOWN, STALE, Leases, Running, Runs
 
 pytestmark = pytest.mark.anyio

@@ -20,7 +20,7 @@ from dispatcher.redis_conn import connect_fast
 from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
-from tests.workers.eventually import EVENTUALLY_S, until
+from tests.waiting import EVENTUALLY_S, eventually
 from workers.leases import Runs
 from workers.node_stream import NodeStream, wait_for_redis
 from workers.runtime import NodeRuntime
@@ -104,7 +104,7 @@ async def test_consume_starts_each_job_read_and_ends_at_stop(node_stream: Stream
         tg.start_soon(s.stream.consume, tg)
         for name in ("a", "b", "c"):
             await add(s.redis, name)
-        await until(lambda: len(s.jobs.ran) == 3)
+        await eventually(lambda: len(s.jobs.ran) == 3)
         s.stream.stop()  # consume returns: the task group ends
     assert s.jobs.ran == ["a", "b", "c"]
     assert s.jobs.handed_back == []
@@ -117,7 +117,7 @@ async def test_consume_makes_the_group_when_it_is_missing(node_stream: Stream) -
     async with anyio.create_task_group() as tg:
         tg.start_soon(s.stream.consume, tg)
         await add(s.redis, "a")
-        await until(lambda: s.jobs.ran == ["a"])
+        await eventually(lambda: s.jobs.ran == ["a"])
         s.stream.stop()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from dispatcher import keys
 from dispatcher.config import parse
 from dispatcher.events import Assignment, Failed
 from iop.redis_server import RedisServer, free_port
+from tests.waiting import eventually
 from workers.adapters import probes
 from workers.adapters.openai_http import OpenAIHttpAdapter
 from workers.leases import Running
@@ -35,8 +36,6 @@ pytestmark = pytest.mark.anyio
 HOST = "127.0.0.1"
 PROVIDER = "p"
 SERVED = "served-model"
-# Generous bound for "this happens eventually" (never a performance threshold).
-EVENTUALLY_S = 10.0
 HEARTBEAT_MS = 50
 PROBE_MS = 100
 # While busy, this many heartbeats span several probe intervals: time enough for a probe
@@ -117,10 +116,7 @@ async def serving(redis_server: RedisServer, upstream: Upstream, provider_type: 
             # The reaper's first round sets in_flight to the live leases: past it, an
             # in_flight a test writes for another worker's jobs stays (the next such check
             # is RECONCILE_EVERY rounds later).
-            async def reaped() -> bool:
-                return worker.reaper.rounds >= 1
-
-            await eventually("the first reaper round", reaped)
+            await eventually(lambda: worker.reaper.rounds >= 1, what="the first reaper round")
             yield worker
         finally:
             worker.stop()
@@ -131,29 +127,14 @@ async def state(redis: Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
-async def eventually(what: str, check: Callable[[], Awaitable[bool]]) -> None:
-    with anyio.fail_after(EVENTUALLY_S):
-        while True:
-            if await check():
-                return
-            await anyio.sleep(0.01)
-
-
 async def health_is(redis: Redis, health: str, reason: str) -> dict[str, str]:
     """Until the provider's hash says ``health``, its reason ``reason`` ("": none) or
     beginning with it."""
-    found: dict[str, str] = {}
-
-    async def check() -> bool:
-        found.update(await state(redis))
+    def says(found: dict[str, str]) -> bool:
         got = found.get("reason", "")
         return found.get("health") == health and (got.startswith(reason) if reason else got == "")
 
-    try:
-        await eventually(f"{PROVIDER} {health}", check)
-    except TimeoutError:
-        raise AssertionError(f"not {health} ({reason!r}) within {EVENTUALLY_S}s: {found}") from None
-    return found
+    return await eventually(lambda: state(redis), says, what=f"{PROVIDER} {health} ({reason!r})")
 
 
 async def heartbeats(redis: Redis, count: int) -> None:
@@ -165,7 +146,7 @@ async def heartbeats(redis: Redis, count: int) -> None:
         async def moved(before: str | None = before) -> bool:
             return (await state(redis)).get("hb_ms") != before
 
-        await eventually("a heartbeat", moved)
+        await eventually(moved, what="a heartbeat")
 
 
 async def set_in_flight(redis: Redis, count: int) -> None:
@@ -218,7 +199,7 @@ async def test_no_probe_reaches_a_busy_provider_and_an_idle_one_is_probed_again(
         async def probed() -> bool:
             return len(upstream.since(mark)) >= 2
 
-        await eventually("an idle provider probed again", probed)
+        await eventually(probed, what="an idle provider probed again")
         assert set(upstream.since(mark)) == set(model_list_asked)
 
 
@@ -239,7 +220,7 @@ async def test_a_busy_provider_is_asked_only_its_harmless_path(
         async def asked_twice() -> bool:
             return upstream.since(mark).count(harmless) >= 2
 
-        await eventually("the harmless path asked while busy", asked_twice)
+        await eventually(asked_twice, what="the harmless path asked while busy")
         assert set(upstream.since(mark)) == {harmless}
         # What the whole probe found stays published; only health comes from the busy one.
         assert (await state(redis))["reported_models"] == models == json.dumps([SERVED])

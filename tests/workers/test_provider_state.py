@@ -26,7 +26,7 @@ from dispatcher.scripts import Scripts
 from dispatcher.worker_side import WorkerSide
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import RedisServer, free_port
-from tests.workers.eventually import EVENTUALLY_S
+from tests.waiting import EVENTUALLY_S, eventually
 from workers.adapters import probes
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink
 from workers.leases import Runs
@@ -103,16 +103,7 @@ class Published:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def until(self, pid: str, check: Callable[[dict[str, str]], bool]) -> dict[str, str]:
-        found: dict[str, str] = {}
-        try:
-            with anyio.fail_after(EVENTUALLY_S):
-                while True:
-                    found = await self.hash(pid)
-                    if check(found):
-                        return found
-                    await anyio.sleep(0.01)
-        except TimeoutError:
-            raise AssertionError(f"{pid} never got there: {found}") from None
+        return await eventually(lambda: self.hash(pid), check, what=f"{pid}'s hash")
 
     async def health_is(self, pid: str, health: str, reason: str = "") -> dict[str, str]:
         return await self.until(pid, lambda h: h.get("health") == health and h.get("reason", "").startswith(reason))

@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError, RedisError
 from dispatcher import events, keys
 from dispatcher.events import Assignment, Chunks, Start
 from dispatcher.worker_side import WorkerSide
-from tests.dispatcher.test_scripts import Harness, make_config
+from tests.dispatcher.harness import Harness, make_config
 from workers import sink as sink_module
 from workers.sink import RedisSink
 

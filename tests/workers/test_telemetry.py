@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from dispatcher import keys
 from dispatcher.catalog import read_catalog
-from tests.dispatcher.test_scripts import make_config
+from tests.dispatcher.harness import make_config
 from workers.telemetry import NO_GPU, HostReader, TelemetryLoop, gpus, load_nvml
 
 pytestmark = pytest.mark.anyio

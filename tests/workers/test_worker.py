@@ -21,7 +21,7 @@ from dispatcher.config.field_rules import restart_paths
 from dispatcher.exceptions import ConfigError
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import RedisServer, free_port
-from tests.workers.eventually import EVENTUALLY_S
+from tests.waiting import eventually
 from workers.worker import Worker
 
 pytestmark = pytest.mark.anyio
@@ -62,16 +62,7 @@ async def provider_hash(redis: Redis, pid: str) -> dict[str, str]:
 
 
 async def until(redis: Redis, pid: str, check: Callable[[dict[str, str]], bool]) -> dict[str, str]:
-    found: dict[str, str] = {}
-    try:
-        with anyio.fail_after(EVENTUALLY_S):
-            while True:
-                found = await provider_hash(redis, pid)
-                if check(found):
-                    return found
-                await anyio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"{pid} never got there: {found}") from None
+    return await eventually(lambda: provider_hash(redis, pid), check, what=f"{pid}'s hash")
 
 
 @contextlib.asynccontextmanager

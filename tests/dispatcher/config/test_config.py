@@ -13,60 +13,11 @@ import pytest
 from dispatcher import config as cfg
 from dispatcher.config.validation import NO_MODELS
 from dispatcher.exceptions import ConfigError, ConfigProblem
+from tests.dispatcher.config.base_config import base, only_problem, problems_of, provider
 from tests.dispatcher.config.one_model import ONE_MODEL_YAML
 from tests.dispatcher.config.yaml_text import load_text
 
 # --------------------------------------------------------------------------- helpers
-
-
-def base() -> dict[str, Any]:
-    """A small valid config: one model served by one vllm provider on one node.
-
-    Every test takes a fresh copy and mutates it to introduce exactly the problem it checks.
-    """
-    return copy.deepcopy(
-        {
-            "redis": {"url": "redis://localhost:6379/0"},
-            "api": {"api_keys_env": "IOP_API_KEYS", "max_body_bytes": 1024},
-            "queue": {"max_queue": 10, "queue_timeout_ms": 5000},
-            "models": [
-                {"id": "m1", "display_name": "Model one", "providers": {"p1": "served-m1"}},
-            ],
-            "nodes": [
-                {
-                    "id": "n1",
-                    "providers": [
-                        {
-                            "id": "p1",
-                            "type": "vllm",
-                            "base_url": "http://gpu1:8000",
-                            "models": ["served-m1"],
-                            "capacity": 2,
-                        }
-                    ],
-                }
-            ],
-        }
-    )
-
-
-def provider(cfg_dict: dict[str, Any], node: int = 0, index: int = 0) -> dict[str, Any]:
-    prov: dict[str, Any] = cfg_dict["nodes"][node]["providers"][index]
-    return prov
-
-
-def problems_of(raw: Any) -> list[ConfigProblem]:
-    """The problems ``parse(raw)`` raises; fails the test if it does not raise."""
-    with pytest.raises(ConfigError) as info:
-        cfg.parse(raw)
-    assert info.value.problems, "ConfigError raised without problems"
-    return info.value.problems
-
-
-def only_problem(raw: Any) -> ConfigProblem:
-    problems = problems_of(raw)
-    assert len(problems) == 1, problems
-    return problems[0]
 
 
 def decode_problem(text: str) -> ConfigProblem:

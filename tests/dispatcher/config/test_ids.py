@@ -11,7 +11,7 @@ import pytest
 
 from dispatcher import config as cfg
 from dispatcher.plans import Plans
-from tests.dispatcher.config.test_config import base, only_problem, problems_of, provider
+from tests.dispatcher.config.base_config import base, only_problem, problems_of, provider
 
 
 def pool(*providers: str, rerank: tuple[str, ...] = (), bands: bool = False) -> dict[str, Any]:

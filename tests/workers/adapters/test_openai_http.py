@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from dispatcher.config import ProviderConfig, normalise_base_url, parse
 from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from iop.fake_provider import FakeError, FakeOptions, start
 from iop.redis_server import free_port
+from tests.waiting import EVENTUALLY_S, eventually
 from tests.workers.adapters.recording import RecordingSink
 from workers.adapters import openai_http
 from workers.adapters.base import ProbeResult, ProviderCall, passed_headers
@@ -28,8 +28,6 @@ pytestmark = pytest.mark.anyio
 
 HOST = "127.0.0.1"
 MODEL = "served-model"
-# Generous bound for "this happens eventually" (never a performance threshold).
-EVENTUALLY_S = 10.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -48,13 +46,9 @@ class Fake:
             return result
 
     async def wait_stats(self, **expected: int) -> dict[str, int]:
-        """The stats once they show ``expected`` (or as they are after a generous bound)."""
-        deadline = time.monotonic() + EVENTUALLY_S
-        while True:
-            stats = await self.stats()
-            if all(stats[k] == v for k, v in expected.items()) or time.monotonic() > deadline:
-                return stats
-            await asyncio.sleep(0.02)
+        """The stats once they show ``expected``."""
+        return await eventually(self.stats, lambda stats: all(stats[k] == v for k, v in expected.items()),
+                                what=f"the fake's stats showing {expected}", every=0.02)
 
     async def requests(self) -> list[dict[str, Any]]:
         async with self.hooks.get(f"{self.url}/_fake/requests") as resp:

@@ -30,6 +30,7 @@ from aiohttp import web
 from dispatcher.config import HTTP_TYPES, ProviderConfig
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
+from tests.waiting import EVENTUALLY_S, eventually
 from workers.adapters import probes
 from workers.adapters.base import ProbeResult
 from workers.adapters.cli import ENV_PASSTHROUGH, CliAdapter
@@ -41,8 +42,6 @@ pytestmark = pytest.mark.anyio
 
 HOST = "127.0.0.1"
 MODELS = ["served-model", "other-model"]
-# Generous bound for "this happens eventually" (never a performance threshold).
-EVENTUALLY_S = 10.0
 KEY_ENV = "IOP_TEST_PROBE_KEY"
 
 TYPES = ["vllm", "sglang", "lemonade", "ollama", "llamacpp", "openai_api"]
@@ -1075,12 +1074,8 @@ def alive(pid: int) -> bool:
 
 
 async def gone_eventually(pid: int) -> bool:
-    deadline = time.monotonic() + EVENTUALLY_S
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+    """True once ``pid`` is gone, not even a zombie left; fails the test if it never goes."""
+    return await eventually(lambda: not alive(pid), what=f"process {pid} gone", every=0.05)
 
 
 def read_pid(path: Path) -> int:
