@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from api.errors import error_body
 from dispatcher.config import ApiConfig
-from dispatcher.exceptions import error_body
 
 _END_OF_HEAD = b"\r\n\r\n"
 _TOO_LARGE = msgspec.json.encode(

@@ -155,7 +155,7 @@ async def _relay(
         if trace is not None:
             trace.first(first)
         if isinstance(first, Failed):
-            # Raised, so that one handler (api/errors.py) shapes every error of the endpoint.
+            # Raised, so that one handler (api/error_handlers.py) answers every error of the endpoint.
             raise failure(first)
         if isinstance(first, Done):
             exchange.usage = first.usage
