@@ -45,7 +45,7 @@ def json_answer(event: Done, model_id: str) -> Response[bytes]:
 def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endpoint) -> Stream:
     """The stream that relays the job's events from ``first`` on. It takes the exchange
     over, and ends it when it ends, however it ends."""
-    exchange.streaming = True
+    exchange.stream_takes_over()
     media_type = first.content_type if isinstance(first, Start) else "text/event-stream"
     headers = {**first.headers} if isinstance(first, Start) else {}
     if spec.stream != "bytes":
@@ -98,7 +98,7 @@ async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> A
     status = JobCancelled.status  # unless the stream reaches its end
     usage: Usage | None = None  # the provider's token counts, given with the end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
-    wait.output_started = True
+    wait.output_began()
     try:
         event: events.Event = first
         while True:

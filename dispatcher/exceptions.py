@@ -125,6 +125,12 @@ class ResponseProviderDown(RequestError):
     code = "response_provider_unavailable"
     retry_after = 5
 
+    @classmethod
+    def because(cls, why: str) -> ResponseProviderDown:
+        """``why``: its provider's reason, as ``lua/lib/unavailable_lane.lua`` words it. The words
+        are ``lua/lib/refuse_unavailable.lua``'s too (tests/dispatcher/test_refuse.py holds them equal)."""
+        return cls(f"The provider holding this response is unavailable ({why}); retry later")
+
 
 class Unauthorized(RequestError):
     status = 401
@@ -213,6 +219,12 @@ class NoProviderAvailable(RequestError):
     type = "server_error"
     code = "no_provider_available"
     retry_after = 5
+
+    @classmethod
+    def because(cls, model_id: str, why: str) -> NoProviderAvailable:
+        """``why``: each provider's reason, as ``lua/lib/unavailable_lane.lua`` words it. The words
+        are ``lua/lib/refuse_unavailable.lua``'s too (tests/dispatcher/test_refuse.py holds them equal)."""
+        return cls(f"No provider of '{model_id}' is available ({why}); retry later")
 
 
 class Overloaded(RequestError):
