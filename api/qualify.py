@@ -234,7 +234,7 @@ async def ui(request: Request[Any, Any, Any]) -> Response[bytes]:
     return page(request, _UI, "text/html; charset=utf-8")
 
 
-async def qualification_of(request: Request[Any, Any, Any], gw: Gateway, rt: Runtime) -> str | None:
+def qualification_of(request: Request[Any, Any, Any], rt: Runtime) -> str | None:
     """The run a request belongs to (its ``x-iop-qualify``), checked: the admin key, qualification
     on, the run under way, in time and within its tokens (what the request may ask, its
     ``max_tokens``/``max_completion_tokens``, is counted when it arrives). None: a caller's."""

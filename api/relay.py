@@ -107,7 +107,7 @@ async def _relay(
 ) -> Response[Any]:
     clock = exchange.clock
     # A qualification run's request (iop qualify) comes with the admin key, not a caller's.
-    run_id = await qualification_of(request, gw, rt)
+    run_id = qualification_of(request, rt)
     tenant = rt.callers.tenant_of(request.headers) if run_id is None else rt.tenants.default
     clock.tenant = tenant.name
     trace = clock.trace

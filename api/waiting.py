@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
@@ -245,32 +246,47 @@ _GONE = b""
 
 
 class Waiter:
-    """The events of one job, in the order its worker wrote them."""
+    """The events of one job, in the order its worker wrote them. One reader: the job's
+    request. A deque and one future while it waits, not an ``asyncio.Queue`` and a timeout
+    context: every request makes one, and most wait once."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_data", "_woken")
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._data: collections.deque[bytes] = collections.deque()
+        # While the reader waits: done when data comes (or its wait is up).
+        self._woken: asyncio.Future[None] | None = None
 
     def push(self, data: bytes) -> None:
-        self._queue.put_nowait(data)
+        self._data.append(data)
+        _wake(self._woken)
 
     def client_gone(self) -> None:
-        self._queue.put_nowait(_GONE)
+        self.push(_GONE)
 
     async def next(self, wait_s: float | None) -> events.Event | None:
         """The next event, or None when ``wait_s`` seconds pass first."""
-        if self._queue.empty():
+        if not self._data:
+            loop = asyncio.get_running_loop()
+            woken = self._woken = loop.create_future()
+            timer = None if wait_s is None else loop.call_later(wait_s, _wake, woken)
             try:
-                async with asyncio.timeout(wait_s):
-                    data = await self._queue.get()
-            except TimeoutError:
+                await woken
+            finally:
+                self._woken = None
+                if timer is not None:
+                    timer.cancel()
+            if not self._data:
                 return None
-        else:
-            data = self._queue.get_nowait()
+        data = self._data.popleft()
         if data is _GONE:
             raise ClientGone
         return events.decode(data)
+
+
+def _wake(woken: asyncio.Future[None] | None) -> None:
+    if woken is not None and not woken.done():
+        woken.set_result(None)
 
 
 class ReplyReader:
