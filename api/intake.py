@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -49,8 +48,10 @@ from dispatcher.script_calls import SubmitStatus
 from dispatcher.tenants import Tenant
 
 
-@dataclass(frozen=True, slots=True)
-class Intake:
+class Intake(msgspec.Struct, frozen=True):
+    """A Struct, not a frozen dataclass: every request makes one (or more), and a frozen
+    dataclass sets each field through ``object.__setattr__``."""
+
     model: ModelConfig
     endpoint: str
     stream: bool
@@ -111,8 +112,8 @@ def fallbacks(request: Request[Any, Any, Any], rt: Runtime, intake: Intake) -> I
     asked = intake.fell_back_from or intake.model.id
     for model, found in _serving(rt, intake.tenant, intake.model, intake.endpoint):
         blocks = (affinity_blocks(model, intake.endpoint, intake.body, request.headers) if intake.blocks else ())
-        yield replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found), blocks=blocks,
-                      fell_back_from=asked)
+        yield msgspec.structs.replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found),
+                                      blocks=blocks, fell_back_from=asked)
 
 
 def _allowed(rt: Runtime, tenant: Tenant, model_id: str) -> ModelConfig:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -278,8 +277,8 @@ async def admit(gw: Gateway, rt: Runtime, run_id: str, intake: Intake, provider:
         raise QualifyRefused(f"run {run_id!r} is past its time (qualify.max_seconds)")
     if int(fields["asked"]) > int(fields["max_tokens"]):
         raise QualifyRefused(f"run {run_id!r} is past its tokens (qualify.max_tokens: {fields['max_tokens']})")
-    return replace(intake, lane=rt.plans.banded(lane, rt.tenants.qualify.band), pinned=True, tenant=rt.tenants.qualify,
-                   limits=None, blocks=())
+    return msgspec.structs.replace(intake, lane=rt.plans.banded(lane, rt.tenants.qualify.band), pinned=True,
+                                   tenant=rt.tenants.qualify, limits=None, blocks=())
 
 
 def _asked_tokens(body: bytes) -> int:
