@@ -16,6 +16,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
+from api.errors import stream_error
 from api.exchange import Exchange
 from dispatcher import events
 from dispatcher.endpoints import Endpoint
@@ -25,7 +26,6 @@ from dispatcher.exceptions import (
     ProviderRejected,
     RequestError,
     WorkerLost,
-    anthropic_error_body,
     error_from_code,
 )
 from dispatcher.jsonbody import renamed, with_model
@@ -45,7 +45,7 @@ def json_answer(event: Done, model_id: str) -> Response[bytes]:
 def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endpoint) -> Stream:
     """The stream that relays the job's events from ``first`` on. It takes the exchange
     over, and ends it when it ends, however it ends."""
-    exchange.streaming = True
+    exchange.stream_takes_over()
     media_type = first.content_type if isinstance(first, Start) else "text/event-stream"
     headers = {**first.headers} if isinstance(first, Start) else {}
     if spec.stream != "bytes":
@@ -87,18 +87,9 @@ class Framing:
         return DONE_FRAME if event.done and self.spec.stream != "bytes" else b""
 
     def error(self, exc: RequestError, provider_body: bytes | None = None) -> bytes:
-        kind = self.spec.stream
-        if kind == "bytes":
+        if self.spec.stream == "bytes":
             raise StreamBroken(exc.message)
-        if provider_body is not None:
-            data = provider_body
-        elif self.spec.errors == "anthropic":
-            data = msgspec.json.encode(anthropic_error_body(exc.status, exc.message))
-        elif kind == "typed_sse":
-            data = msgspec.json.encode({"type": "error", "code": exc.code, "message": exc.message, "param": None})
-        else:
-            data = msgspec.json.encode(exc.body())
-        return (b"event: error\n" if kind == "typed_sse" else b"") + b"data: " + data + b"\n\n"
+        return stream_error(exc, self.spec, provider_body)
 
 
 async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> AsyncIterator[bytes]:
@@ -107,7 +98,7 @@ async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> A
     status = JobCancelled.status  # unless the stream reaches its end
     usage: Usage | None = None  # the provider's token counts, given with the end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
-    wait.output_started = True
+    wait.output_began()
     try:
         event: events.Event = first
         while True:
@@ -178,7 +169,7 @@ def _rename(payload: bytes, model_id: str) -> bytes:
 
 
 def failure(event: Failed) -> RequestError:
-    """The error a ``Failed`` event stands for, to raise (api/errors.py answers it)."""
+    """The error a ``Failed`` event stands for, to raise (api/error_handlers.py answers it)."""
     if event.body is not None:
         exc: RequestError = ProviderRejected(event.status, event.body, event.content_type)
     else:

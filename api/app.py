@@ -16,7 +16,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
 from api.control import control_routers
-from api.errors import HANDLERS
+from api.error_handlers import HANDLERS
 from api.gateway import Gateway, reload_on_hangup
 from api.openapi import document_requests
 from api.operator import OPEN_HANDLERS, operator_router

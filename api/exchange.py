@@ -2,7 +2,8 @@
 the last byte of its answer -- its clock (the request counted exactly once), its stream
 slot, its job's wait and the watch for a caller who hangs up -- and ends them together,
 in one place, whatever the answer: a JSON body, an error, or a stream, which takes the
-exchange over and ends it when it ends (``api/answers.py``)."""
+exchange over and ends it when it ends (``api/answers.py``). Its state changes only through
+its methods."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dispatcher.events import Usage
 
 
 class Exchange:
-    __slots__ = ("_ended", "_hang_up", "_release", "clock", "streaming", "usage", "wait")
+    __slots__ = ("_ended", "_hang_up", "_release", "_streaming", "_usage", "clock", "wait")
 
     def __init__(self, clock: RequestClock) -> None:
         self.clock = clock
@@ -26,9 +27,9 @@ class Exchange:
         self._hang_up: HangUpWatch | None = None
         self._release: Callable[[], None] = no_slot
         # A stream answers: it ends the exchange when its last event is relayed.
-        self.streaming = False
+        self._streaming = False
         # The tokens of a JSON answer, counted with it.
-        self.usage: Usage | None = None
+        self._usage: Usage | None = None
         self._ended = False
 
     def take_stream_slot(self, slots: StreamSlots) -> None:
@@ -42,6 +43,14 @@ class Exchange:
         self._hang_up = HangUpWatch(request, wait.waiter)
         return wait
 
+    def stream_takes_over(self) -> None:
+        """A stream answers: it ends the exchange when its last event is relayed, not the handler."""
+        self._streaming = True
+
+    def answer_carries(self, usage: Usage | None) -> None:
+        """The tokens of the JSON answer, counted with the request when it ends."""
+        self._usage = usage
+
     def first_event_came(self) -> None:
         # From here a stream response listens for the caller's hang-up itself (Litestar).
         if self._hang_up is not None:
@@ -50,8 +59,8 @@ class Exchange:
     def answered(self, status: int) -> None:
         """The handler is done with the request (an answer, or an error with ``status``):
         the exchange ends now, unless a stream answers it and ends it later."""
-        if not self.streaming:
-            self.end(status, self.usage)
+        if not self._streaming:
+            self.end(status, self._usage)
 
     def end(self, status: int, usage: Usage | None = None) -> None:
         """Count the request, give its slot back, stop listening for its job -- and cancel the

@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from api.errors import error_body
 from dispatcher.config import ApiConfig
-from dispatcher.exceptions import error_body
 
 _END_OF_HEAD = b"\r\n\r\n"
 _TOO_LARGE = msgspec.json.encode(
@@ -62,6 +62,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.head_timeout_s = head_timeout_s
         self._in_head = True
         self._head_bytes = 0
+        # When the head under way must be complete (None: no head under way). One timer per
+        # connection checks it, re-armed only when it fires early: a keep-alive connection's
+        # requests do not each schedule and cancel a timer of their own.
+        self._head_due: float | None = None
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -70,6 +74,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -99,16 +106,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_too_slow)
+        self._head_due = self.loop.time() + self.head_timeout_s
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_at(self._head_due, self._head_check)
 
     def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_due = None
+
+    def _head_check(self) -> None:
+        self._head_timer = None
+        due = self._head_due
+        if due is None:
+            return  # no head under way: the next one arms the timer again
+        if self.loop.time() < due:
+            # A later head than the one the timer was set for.
+            self._head_timer = self.loop.call_at(due, self._head_check)
+            return
+        self._head_due = None
+        self._head_too_slow()
 
     def _head_too_slow(self) -> None:
-        self._head_timer = None
         if not self._in_head or self.transport.is_closing():
             return
         if self._head_bytes:

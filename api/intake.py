@@ -5,6 +5,9 @@ providers it may go to, and what is stored for its worker.
   them as form fields. Bodies go on untouched but for the model (set by the worker).
 * The lane is that of the model's providers that serve the endpoint
   (``dispatcher/plans.py``); none serving it is ``400 unsupported_endpoint``, at once.
+* Fallbacks (``models[].fallbacks``), decided here only: the first of them that serves the
+  endpoint takes a request its model cannot serve there; the rest, in order, are tried
+  when its model cannot take it now (:data:`FALL_BACK_ON`, ``api/relay.py``).
 * A call on a stored Response -- ``previous_response_id``, or ``/v1/responses/{id}...``
   -- goes only to the provider that made it (``lua/remember_response.lua``): its lane
   of one. A provider that left the pool is ``409``; one that is down, ``503``.
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -42,11 +44,14 @@ from dispatcher.exceptions import (
 from dispatcher.jsonbody import read_request
 from dispatcher.multipart import fields
 from dispatcher.plans import Lane
+from dispatcher.script_calls import SubmitStatus
 from dispatcher.tenants import Tenant
 
 
-@dataclass(frozen=True, slots=True)
-class Intake:
+class Intake(msgspec.Struct, frozen=True):
+    """A Struct, not a frozen dataclass: every request makes one (or more), and a frozen
+    dataclass sets each field through ``object.__setattr__``."""
+
     model: ModelConfig
     endpoint: str
     stream: bool
@@ -62,7 +67,7 @@ class Intake:
     # x-iop-deadline-ms: the longest the caller waits for it to start (0: not said).
     deadline_ms: int = 0
     body: bytes = b""  # as it came (a fallback's affinity blocks are computed from it)
-    fell_back_from: str | None = None  # the model it was asked for, when a fallback takes it
+    fell_back_from: str | None = None  # the model it was asked for, when a fallback takes it (counted once)
 
 
 DEADLINE_HEADER = "x-iop-deadline-ms"
@@ -82,19 +87,33 @@ def _deadline(headers: Mapping[str, str]) -> int:
     return value
 
 
+# The submit statuses a model's fallbacks are tried on: it cannot take the request at once.
+FALL_BACK_ON = frozenset({SubmitStatus.NO_PROVIDER, SubmitStatus.FULL, SubmitStatus.TENANT_FULL,
+                          SubmitStatus.DEADLINE_UNMEETABLE})
+
+
+def _serving(rt: Runtime, tenant: Tenant, model: ModelConfig, endpoint: str) -> Iterator[tuple[ModelConfig, Lane]]:
+    """``model``'s fallbacks, in order, that ``tenant`` may call and that serve ``endpoint``, each
+    with its lane there: the one rule of which fallback may take a request."""
+    for fb_id in model.fallbacks:
+        fb = rt.models.get(fb_id)
+        if fb is None or not tenant.allows(fb_id):
+            continue
+        lane = rt.plans.lane_for(fb_id, endpoint)
+        if lane is not None:
+            yield fb, lane
+
+
 def fallbacks(request: Request[Any, Any, Any], rt: Runtime, intake: Intake) -> Iterator[Intake]:
-    """The request as each of its model's fallbacks would take it, in order: those its tenant
-    may call that serve its endpoint (a request on a stored Response has none)."""
+    """The request as each of its model's fallbacks would take it, in order (a request on a
+    stored Response has none)."""
     if intake.pinned:
         return
-    for fb_id in intake.model.fallbacks:
-        model = rt.models.get(fb_id)
-        found = rt.plans.lane_for(fb_id, intake.endpoint) if model is not None else None
-        if model is None or found is None or not intake.tenant.allows(fb_id):
-            continue
+    asked = intake.fell_back_from or intake.model.id
+    for model, found in _serving(rt, intake.tenant, intake.model, intake.endpoint):
         blocks = (affinity_blocks(model, intake.endpoint, intake.body, request.headers) if intake.blocks else ())
-        yield replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found), blocks=blocks,
-                      fell_back_from=intake.model.id)
+        yield msgspec.structs.replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found),
+                                      blocks=blocks, fell_back_from=asked)
 
 
 def _allowed(rt: Runtime, tenant: Tenant, model_id: str) -> ModelConfig:
@@ -162,14 +181,11 @@ async def take(
     asked = None
     found = rt.plans.lane_for(model.id, endpoint)
     if found is None:
-        # A fallback that serves it (its tenant may call) takes it, else it is refused.
-        for fb_id in model.fallbacks:
-            fb = rt.models.get(fb_id)
-            if fb is not None and tenant.allows(fb_id) and (found := rt.plans.lane_for(fb_id, endpoint)) is not None:
-                asked, model = model.id, fb
-                break
-        else:
+        # A fallback that serves it takes it, else it is refused.
+        taker = next(_serving(rt, tenant, model, endpoint), None)
+        if taker is None:
             raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
+        asked, (model, found) = model.id, taker
     return Intake(model, endpoint, stream, _in_band(request, rt, tenant, found), False, stored, tenant,
                   affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else (),
                   limits_for(tenant, body, content_type == JSON), _deadline(request.headers), body, asked)

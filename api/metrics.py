@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,6 +36,24 @@ from dispatcher.wire import EJECTION_KINDS
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 UNKNOWN = "_unknown"  # label for model ids outside the config: callers must not mint label values
+
+
+class _Children:
+    """A labelled metric's children by their label values, each looked up once: prometheus_client's
+    ``labels()`` checks and locks on every call, and every request makes several. The label
+    values are bounded by the config (model and tenant ids, providers, HTTP statuses)."""
+
+    __slots__ = ("_found", "_metric")
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+        self._found: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._found.get(values)
+        if child is None:
+            child = self._found[values] = self._metric.labels(*values)
+        return child
 
 
 class RequestMetrics:
@@ -70,6 +89,12 @@ class RequestMetrics:
             "(over iop_tokens_total{kind=\"prompt\"}: its cache hit rate)",
             ["model", "provider"], registry=self.registry,
         )
+        self.requests_of = _Children(self.requests)
+        self.latency_of = _Children(self.latency)
+        self.queue_wait_of = _Children(self.queue_wait)
+        self.ttfb_of = _Children(self.ttfb)
+        self.tokens_of = _Children(self.tokens)
+        self.cached_tokens_of = _Children(self.cached_tokens)
 
     def fell_back(self, model: str, fallback: str) -> None:
         """A fallback of ``model`` took a request (both ids come from the config)."""
@@ -105,25 +130,25 @@ class RequestClock:
         self.trace: RequestTrace | None = None
 
     def queued(self, queue_ms: int) -> None:
-        self.metrics.queue_wait.labels(self.model, self.tenant).observe(queue_ms / 1000)
+        self.metrics.queue_wait_of(self.model, self.tenant).observe(queue_ms / 1000)
 
     def first_byte(self) -> None:
-        self.metrics.ttfb.labels(self.model, self.provider).observe(time.perf_counter() - self.started)
+        self.metrics.ttfb_of(self.model, self.provider).observe(time.perf_counter() - self.started)
 
     def done(self, status: int, usage: Usage | None = None) -> None:
         """``usage``: the answer's tokens, when its provider reported them."""
         if self._done:
             return
         self._done = True
-        labels = (self.model, self.provider, str(status))
-        self.metrics.requests.labels(*labels, self.tenant).inc()
+        m = self.metrics
+        code = str(status)
+        m.requests_of(self.model, self.provider, code, self.tenant).inc()
         if usage is not None:
-            tokens = self.metrics.tokens
-            tokens.labels(self.model, self.provider, "prompt", self.tenant).inc(usage.prompt)
-            tokens.labels(self.model, self.provider, "completion", self.tenant).inc(usage.completion)
+            m.tokens_of(self.model, self.provider, "prompt", self.tenant).inc(usage.prompt)
+            m.tokens_of(self.model, self.provider, "completion", self.tenant).inc(usage.completion)
             if usage.cached:
-                self.metrics.cached_tokens.labels(self.model, self.provider).inc(usage.cached)
-        self.metrics.latency.labels(*labels).observe(time.perf_counter() - self.started)
+                m.cached_tokens_of(self.model, self.provider).inc(usage.cached)
+        m.latency_of(self.model, self.provider, code).observe(time.perf_counter() - self.started)
         if self.trace is not None:
             self.trace.end(status, self.model, self.tenant, usage)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -236,7 +235,7 @@ async def ui(request: Request[Any, Any, Any]) -> Response[bytes]:
     return page(request, _UI, "text/html; charset=utf-8")
 
 
-async def qualification_of(request: Request[Any, Any, Any], gw: Gateway, rt: Runtime) -> str | None:
+def qualification_of(request: Request[Any, Any, Any], rt: Runtime) -> str | None:
     """The run a request belongs to (its ``x-iop-qualify``), checked: the admin key, qualification
     on, the run under way, in time and within its tokens (what the request may ask, its
     ``max_tokens``/``max_completion_tokens``, is counted when it arrives). None: a caller's."""
@@ -280,8 +279,8 @@ async def admit(gw: Gateway, rt: Runtime, run_id: str, intake: Intake, provider:
         raise QualifyRefused(f"run {run_id!r} is past its time (qualify.max_seconds)")
     if int(fields["asked"]) > int(fields["max_tokens"]):
         raise QualifyRefused(f"run {run_id!r} is past its tokens (qualify.max_tokens: {fields['max_tokens']})")
-    return replace(intake, lane=rt.plans.banded(lane, rt.tenants.qualify.band), pinned=True, tenant=rt.tenants.qualify,
-                   limits=None, blocks=())
+    return msgspec.structs.replace(intake, lane=rt.plans.banded(lane, rt.tenants.qualify.band), pinned=True,
+                                   tenant=rt.tenants.qualify, limits=None, blocks=())
 
 
 def _asked_tokens(body: bytes) -> int:

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from dispatcher import wire
+from dispatcher.endpoints import ErrorShape
 from dispatcher.exceptions import BudgetExhausted, InvalidRequest, RateLimited, RequestError
 from dispatcher.script_calls import SubmitStatus
 from dispatcher.tenants import Tenant
@@ -94,10 +95,12 @@ def _at(ms: int) -> str:
     return datetime.fromtimestamp(clock() + ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def headers(raw: bytes, anthropic: bool) -> dict[str, str]:
-    """The rate limit headers of a limited tenant's answer (``raw``: the submit's state)."""
+def headers(raw: bytes, shape: ErrorShape) -> dict[str, str]:
+    """The rate limit headers of a limited tenant's answer (``raw``: the submit's state), named
+    as the clients of an endpoint with the error ``shape`` read them."""
     if not raw:
         return {}
+    anthropic = shape == "anthropic"
     st = _state.decode(raw)
     out: dict[str, str] = {}
     for kind, window in (("requests", st.requests), ("tokens", st.tokens)):
@@ -117,7 +120,7 @@ def headers(raw: bytes, anthropic: bool) -> dict[str, str]:
     return out
 
 
-def refusal(status: SubmitStatus, raw: bytes, tenant: Tenant, anthropic: bool) -> RequestError:
+def refusal(status: SubmitStatus, raw: bytes, tenant: Tenant, shape: ErrorShape) -> RequestError:
     """The answer to a submit its tenant's limits refused."""
     st = _state.decode(raw)
     wait_ms = st.retry_after_ms or 0
@@ -134,6 +137,6 @@ def refusal(status: SubmitStatus, raw: bytes, tenant: Tenant, anthropic: bool) -
         per = "requests" if st.limit == "requests" else "tokens"
         exc = RateLimited(f"Rate limit of tenant '{tenant.name}' reached: {per} per minute; retry in "
                           f"{wait_ms / 1000:.1f} s", retry_after=max(math.ceil(wait_ms / 1000), 1))
-    exc.headers.update(headers(raw, anthropic))
+    exc.headers.update(headers(raw, shape))
     exc.headers["retry-after-ms"] = str(max(wait_ms, 1))
     return exc

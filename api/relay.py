@@ -21,13 +21,13 @@ from api import ratelimits
 from api.answers import failure, json_answer, sse_answer
 from api.exchange import Exchange
 from api.gateway import Gateway
-from api.intake import Intake, fallbacks, take, take_stored
+from api.intake import FALL_BACK_ON, Intake, fallbacks, take, take_stored
 from api.metrics import RequestClock
 from api.qualify import PROVIDER_HEADER, admit, qualification_of
 from api.runtime import Runtime
 from api.waiting import ClientGone, JobWait
 from dispatcher import tracing
-from dispatcher.endpoints import ENDPOINTS
+from dispatcher.endpoints import ENDPOINTS, ErrorShape
 from dispatcher.events import Chunks, Done, Failed
 from dispatcher.exceptions import (
     DeadlineUnmeetable,
@@ -74,9 +74,6 @@ async def relay(
 
 # What a request whose handler was cancelled is counted as (nginx's "client closed request").
 CLIENT_CLOSED = 499
-# The statuses a model's fallbacks are tried on: it cannot take the request at once.
-FALL_BACK_ON = frozenset({SubmitStatus.NO_PROVIDER, SubmitStatus.FULL, SubmitStatus.TENANT_FULL,
-                          SubmitStatus.DEADLINE_UNMEETABLE})
 # Says which model served the answer (a fallback's id when one did).
 MODEL_HEADER = "x-iop-model"
 
@@ -86,13 +83,31 @@ async def _submit(rt: Runtime, wait: JobWait, intake: Intake) -> Submitted:
                                 intake.pinned, intake.tenant, intake.blocks, intake.limits, intake.deadline_ms)
 
 
+async def _submit_to_a_taker(
+    request: Request[Any, Any, Any], rt: Runtime, wait: JobWait, intake: Intake
+) -> tuple[Submitted, Intake]:
+    """Submit the job to its model, or to the first of its fallbacks that takes it
+    (``api/intake.py`` decides which, and on what)."""
+    submitted = await _submit(rt, wait, intake)
+    if submitted.status not in FALL_BACK_ON or not intake.model.fallbacks:
+        return submitted, intake
+    for other in fallbacks(request, rt, intake):
+        tried = await _submit(rt, wait, other)
+        if tried.status in (SubmitStatus.DISPATCHED, SubmitStatus.QUEUED):
+            wait.submitted_to(other.model.id, other.lane.queue)
+            return tried, other
+        if tried.status not in FALL_BACK_ON:
+            return tried, intake  # its tenant's limits: no other model changes that
+    return submitted, intake
+
+
 async def _relay(
     request: Request[Any, Any, Any], gw: Gateway, rt: Runtime, exchange: Exchange, endpoint: str,
     response_id: str | None, rest: str,
 ) -> Response[Any]:
     clock = exchange.clock
     # A qualification run's request (iop qualify) comes with the admin key, not a caller's.
-    run_id = await qualification_of(request, gw, rt)
+    run_id = qualification_of(request, rt)
     tenant = rt.callers.tenant_of(request.headers) if run_id is None else rt.tenants.default
     clock.tenant = tenant.name
     trace = clock.trace
@@ -105,12 +120,10 @@ async def _relay(
         intake = await admit(gw, rt, run_id, intake, request.headers.get(PROVIDER_HEADER, ""))
         tenant = intake.tenant
         clock.tenant = tenant.name
-    model_id, stream = intake.model.id, intake.stream
+    model_id = intake.model.id
     clock.model = model_id
-    if intake.fell_back_from is not None:
-        gw.metrics.fell_back(intake.fell_back_from, model_id)
     spec = ENDPOINTS[intake.endpoint]
-    if stream:
+    if intake.stream:
         exchange.take_stream_slot(gw.streams)
 
     job_id = tenant.job_id(gw.next_job_id()) if rt.tenants.flow_control else gw.next_job_id()
@@ -122,27 +135,19 @@ async def _relay(
         trace.submitted(job_id)
     try:
         try:
-            submitted = await _submit(rt, wait, intake)
-            if submitted.status in FALL_BACK_ON and intake.model.fallbacks:
-                for other in fallbacks(request, rt, intake):
-                    tried = await _submit(rt, wait, other)
-                    if tried.status in (SubmitStatus.DISPATCHED, SubmitStatus.QUEUED):
-                        gw.metrics.fell_back(intake.model.id, other.model.id)
-                        submitted, intake, model_id = tried, other, other.model.id
-                        wait.model_id, wait.queue_key, clock.model = model_id, intake.lane.queue, model_id
-                        break
-                    if tried.status not in FALL_BACK_ON:
-                        submitted = tried  # its tenant's limits: no other model changes that
-                        break
+            submitted, intake = await _submit_to_a_taker(request, rt, wait, intake)
         except RedisError as exc:
             # Not settled: the last try may have gone through with its reply lost, so the
             # wait's close cancels the job (held through the outage too).
             raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
+        if intake.fell_back_from is not None:
+            model_id = clock.model = intake.model.id
+            gw.metrics.fell_back(intake.fell_back_from, model_id)
         if submitted.limits:
-            limit_headers = ratelimits.headers(submitted.limits, spec.errors == "anthropic")
-        refused = _refusal(submitted, model_id, tenant, spec.errors == "anthropic")
+            limit_headers = ratelimits.headers(submitted.limits, spec.errors)
+        refused = _refusal(submitted, model_id, tenant, spec.errors)
         if refused is not None:
-            wait.settled = True  # nothing of it is in Redis
+            wait.refused()
             raise refused
         wait.waiting(submitted)
         first = await wait.next_event()
@@ -155,10 +160,10 @@ async def _relay(
         if trace is not None:
             trace.first(first)
         if isinstance(first, Failed):
-            # Raised, so that one handler (api/errors.py) shapes every error of the endpoint.
+            # Raised, so that one handler (api/error_handlers.py) answers every error of the endpoint.
             raise failure(first)
         if isinstance(first, Done):
-            exchange.usage = first.usage
+            exchange.answer_carries(first.usage)
             answer: Response[Any] = json_answer(first, model_id)
         else:
             answer = sse_answer(exchange, first, model_id, spec)
@@ -174,21 +179,20 @@ async def _relay(
         raise
 
 
-def _refusal(submitted: Submitted, model_id: str, tenant: Tenant, anthropic: bool) -> RequestError | None:
+def _refusal(submitted: Submitted, model_id: str, tenant: Tenant, shape: ErrorShape) -> RequestError | None:
     """The error a submit that did not take the job answers; None when it took it."""
     status = submitted.status
     if status in (SubmitStatus.RATE_LIMITED, SubmitStatus.BUDGET_EXHAUSTED) and submitted.limits:
-        return ratelimits.refusal(status, submitted.limits, tenant, anthropic)
+        return ratelimits.refusal(status, submitted.limits, tenant, shape)
     if status == SubmitStatus.FULL:
         return QueueFull(f"The queue of '{model_id}' is full ({submitted.queued} waiting); retry later")
     if status == SubmitStatus.TENANT_FULL:
         return TenantQueueFull(f"Tenant '{tenant.name}' already has {tenant.max_queued} requests waiting; "
                                "retry later")
     if status == SubmitStatus.UNAVAILABLE:
-        return ResponseProviderDown(f"The provider holding this response is unavailable ({submitted.why}); "
-                                    "retry later")
+        return ResponseProviderDown.because(submitted.why)
     if status == SubmitStatus.NO_PROVIDER:
-        return NoProviderAvailable(f"No provider of '{model_id}' is available ({submitted.why}); retry later")
+        return NoProviderAvailable.because(model_id, submitted.why)
     if status == SubmitStatus.DEADLINE_UNMEETABLE:
         wait_ms = int(submitted.why or 0)
         return DeadlineUnmeetable(

@@ -29,6 +29,10 @@ class Runtime:
     models: dict[str, ModelConfig]
     # The scripts' calls with this config, as this replica makes them.
     jobs: ApiSide
+    # The same calls, as any process makes them (the reaper's, the operator's).
+    calls: ScriptCalls
+    # The lanes of each model group under this config (the script calls' own).
+    plans: Plans
     tenants: Tenants
     # Who a request is: its caller key (or the trusted tenant header), checked here.
     callers: CallerKeys
@@ -42,29 +46,27 @@ class Runtime:
         tenants = Tenants(config)
         callers = CallerKeys(config, tenants)
         calls = ScriptCalls(scripts, config, Plans(config))
-        models = {m.id: m for m in config.models}
+        jobs = ApiSide(calls, redis, replica_id)
+        # The submit's own table of each model's queue timeout (and its queue's length), so that
+        # a requeued job's wait and its submit never disagree.
+        limits = calls._queue_limits
+        default_timeout_ms = config.queue.queue_timeout_ms
 
         def queue_timeout_ms(model_id: str) -> int:
-            model = models.get(model_id)
+            found = limits.get(model_id)
             # A reload may have removed the model: its waiting jobs still time out.
-            return config.queue_timeout_ms(model) if model is not None else config.queue.queue_timeout_ms
+            return default_timeout_ms if found is None else found[0]
 
         return cls(
             config=config,
-            models=models,
-            jobs=ApiSide(calls, redis, replica_id),
+            models={m.id: m for m in config.models},
+            jobs=jobs,
+            calls=calls,
+            plans=calls.plans,
             tenants=tenants,
             callers=callers,
             admin=admin_guard(config.api.admin_keys_env, callers),
-            wait_rules=WaitRules(watch_s=config.dispatch.lease_ms / 1000,
-                                 hold_s=config.redis.failover_hold_ms / 1000, queue_timeout_ms=queue_timeout_ms),
+            wait_rules=WaitRules(watch_s=config.dispatch.lease_ms / 1000, hold_s=jobs.hold_s,
+                                 queue_timeout_ms=queue_timeout_ms),
         )
 
-    @property
-    def calls(self) -> ScriptCalls:
-        return self.jobs.calls
-
-    @property
-    def plans(self) -> Plans:
-        """The lanes of each model group under this config (the script calls' own)."""
-        return self.jobs.calls.plans

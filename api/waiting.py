@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
@@ -62,28 +63,61 @@ class WaitRules:
 
 
 class JobWait:
-    """The API's side of one job: its events, its queue deadline, and a watchdog."""
+    """The API's side of one job: its events, its queue deadline, and a watchdog. Its state
+    changes only through its methods: what its events say, and what the request tells it
+    (:meth:`submitted_to`, :meth:`refused`, :meth:`waiting`, :meth:`output_began`)."""
+
+    __slots__ = ("_gone_at_read", "_model_id", "_output_started", "_queue_key", "_queued_until",
+                 "_redis_down_since", "_settled", "job_id", "jobs", "replies", "rules", "spawn", "waiter")
 
     def __init__(
         self, job_id: str, model_id: str, queue_key: str, *, replies: ReplyReader, jobs: JobCalls, rules: WaitRules,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
     ) -> None:
         self.job_id = job_id
-        self.model_id = model_id
-        self.queue_key = queue_key  # of the job's lane
+        self._model_id = model_id
+        self._queue_key = queue_key  # of the job's lane
         self.replies = replies
         self.jobs = jobs
         self.rules = rules
         self.spawn = spawn
         self.waiter = replies.register(job_id)
         # True once Redis holds nothing more of this job that the API must clean up.
-        self.settled = False
+        self._settled = False
         self._queued_until: float | None = None
         # Reads of the reply reader when the job was first seen gone from Redis.
         self._gone_at_read: int | None = None
         self._redis_down_since: float | None = None
         # Output reached the caller: a second run must never be spliced into it.
-        self.output_started = False
+        self._output_started = False
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def queue_key(self) -> str:
+        return self._queue_key
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+    @property
+    def output_started(self) -> bool:
+        return self._output_started
+
+    def submitted_to(self, model_id: str, queue_key: str) -> None:
+        """The job went to another model's lane (a fallback's) than the wait began with."""
+        self._model_id, self._queue_key = model_id, queue_key
+
+    def refused(self) -> None:
+        """Its submit did not take the job: nothing of it is in Redis."""
+        self._settled = True
+
+    def output_began(self) -> None:
+        """Its first output is on its way to the caller."""
+        self._output_started = True
 
     def waiting(self, submitted: Submitted) -> None:
         if submitted.status == SubmitStatus.QUEUED:
@@ -95,18 +129,18 @@ class JobWait:
             timeout = watch if self._queued_until is None else max(self._queued_until - _now(), 0.0)
             event = await self.waiter.next(wait_s=timeout)
             if isinstance(event, Requeued):
-                if self.output_started:
+                if self._output_started:
                     # Only a failover that lost the mark of its output does this: a second
                     # run would be spliced into what the caller already has.
                     raise WorkerLost("The worker's stream was lost in a Redis failover")
                 # Its worker was lost before any output: it waits in its queue again, with a
                 # fresh deadline (lua/lib/jobs.lua settle_lost).
-                self._queued_until = _now() + self.rules.queue_timeout_ms(self.model_id) / 1000
+                self._queued_until = _now() + self.rules.queue_timeout_ms(self._model_id) / 1000
                 continue
             if event is not None:
                 self._queued_until = None  # dispatched: the queue deadline no longer applies
                 if isinstance(event, Done | End | Failed):
-                    self.settled = True
+                    self._settled = True
                 return event
             try:
                 if self._queued_until is not None:
@@ -128,11 +162,11 @@ class JobWait:
     async def _deadline_passed(self) -> None:
         # Held like the submit: a deadline that passes during a failover or a restart is
         # decided once Redis is back (it may have been dispatched meanwhile), not answered 503.
-        result = await held(lambda: self.jobs.cancel(self.job_id, self.queue_key, CancelReason.TIMEOUT),
+        result = await held(lambda: self.jobs.cancel(self.job_id, self._queue_key, CancelReason.TIMEOUT),
                             self.rules.hold_s)
         if result.outcome in (CancelOutcome.REMOVED, CancelOutcome.EXPIRED):
-            self.settled = True
-            raise QueueTimeout(f"No provider for '{self.model_id}' became free before the queue deadline")
+            self._settled = True
+            raise QueueTimeout(f"No provider for '{self._model_id}' became free before the queue deadline")
         if result.outcome == CancelOutcome.WAIT:
             self._queued_until = _now() + result.wait_ms / 1000
         else:
@@ -156,14 +190,14 @@ class JobWait:
             # A job's final event is written before its record goes, so a read issued after
             # the record was seen gone would have brought it (the second read since then
             # surely was): none came, so Redis lost the job.
-            self.settled = True
+            self._settled = True
             raise WorkerLost("The request was lost (Redis restarted or its worker vanished)")
 
     def close(self) -> None:
         """The request is answered (or failed): stop listening, and stop the job unless it
         is over -- in the background, so the answer does not wait for Redis."""
         self.replies.unregister(self.job_id)
-        if not self.settled:
+        if not self._settled:
             self.spawn(self.cancel())
 
     async def cancel(self) -> None:
@@ -171,12 +205,12 @@ class JobWait:
 
         Retried through a Redis outage of up to two lease periods, so the provider stops
         generating for a caller who hung up while Redis was away."""
-        if self.settled:
+        if self._settled:
             return
-        self.settled = True
+        self._settled = True
         # Given up after two leases: its lease, or the reaper's orphan sweep, ends it then.
         with contextlib.suppress(RedisError):
-            await held(lambda: self.jobs.cancel(self.job_id, self.queue_key, CancelReason.CLIENT),
+            await held(lambda: self.jobs.cancel(self.job_id, self._queue_key, CancelReason.CLIENT),
                        2 * self.rules.watch_s)
 
 
@@ -212,32 +246,47 @@ _GONE = b""
 
 
 class Waiter:
-    """The events of one job, in the order its worker wrote them."""
+    """The events of one job, in the order its worker wrote them. One reader: the job's
+    request. A deque and one future while it waits, not an ``asyncio.Queue`` and a timeout
+    context: every request makes one, and most wait once."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_data", "_woken")
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._data: collections.deque[bytes] = collections.deque()
+        # While the reader waits: done when data comes (or its wait is up).
+        self._woken: asyncio.Future[None] | None = None
 
     def push(self, data: bytes) -> None:
-        self._queue.put_nowait(data)
+        self._data.append(data)
+        _wake(self._woken)
 
     def client_gone(self) -> None:
-        self._queue.put_nowait(_GONE)
+        self.push(_GONE)
 
     async def next(self, wait_s: float | None) -> events.Event | None:
         """The next event, or None when ``wait_s`` seconds pass first."""
-        if self._queue.empty():
+        if not self._data:
+            loop = asyncio.get_running_loop()
+            woken = self._woken = loop.create_future()
+            timer = None if wait_s is None else loop.call_later(wait_s, _wake, woken)
             try:
-                async with asyncio.timeout(wait_s):
-                    data = await self._queue.get()
-            except TimeoutError:
+                await woken
+            finally:
+                self._woken = None
+                if timer is not None:
+                    timer.cancel()
+            if not self._data:
                 return None
-        else:
-            data = self._queue.get_nowait()
+        data = self._data.popleft()
         if data is _GONE:
             raise ClientGone
         return events.decode(data)
+
+
+def _wake(woken: asyncio.Future[None] | None) -> None:
+    if woken is not None and not woken.done():
+        woken.set_result(None)
 
 
 class ReplyReader:

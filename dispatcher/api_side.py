@@ -34,11 +34,9 @@ class ApiSide:
         self.redis = redis
         self.replica_id = replica_id
         self.reply_key = keys.reply(replica_id)
-
-    @property
-    def hold_s(self) -> float:
-        """How long a request waits for an unreachable Redis before it is answered 503."""
-        return self.calls.config.redis.failover_hold_ms / 1000
+        # How long a request waits for an unreachable Redis before it is answered 503 (the one
+        # place it is derived: the API's job waits take it from here).
+        self.hold_s = calls.config.redis.failover_hold_ms / 1000
 
     async def submit(
         self, job_id: str, lane: Lane, body: bytes, endpoint: str, stream: bool, pinned: bool = False,

@@ -33,27 +33,23 @@ Hierarchy::
             ├── ProviderUnreachable 502 provider_error (connect error, garbage, a stream cut)
             ├── ProviderTimeout     504 provider_timeout
             ├── ProviderRejected    the provider's own error status, passed through with its body
-            │                       in the endpoint's error shape (:func:`provider_error_body`)
+            │                       in the endpoint's error shape (``api/errors.py``)
             ├── WorkerLost          502 worker_lost (the worker died after output started)
             └── JobCancelled        499 cancelled (only ever seen in logs: the client left)
 
 A ``RequestError`` carries everything the API needs to answer: HTTP status,
-``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``. On the
-Anthropic paths (``/v1/messages``) the same errors answer in Anthropic's shape
-(:func:`anthropic_error_body`).
-Workers send provider errors back to the API as events (``dispatcher.events``),
-so the same classes describe a failure on both sides of Redis. ``error_body`` is the
-JSON of every OpenAI-style error answer, whether or not an exception carries it.
+``type``, ``code``, ``param`` and, for the retryable ones, ``retry_after``. How an answer
+looks -- OpenAI's shape, or Anthropic's on the Anthropic paths (``/v1/messages``) -- is
+``api/errors.py``'s alone. Workers send provider errors back to the API as events
+(``dispatcher.events``) by their ``code`` (:func:`error_from_code`), so the same classes
+describe a failure on both sides of Redis.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
 
 import msgspec
-
-from dispatcher.endpoints import ErrorShape
 
 
 class IopError(Exception):
@@ -76,11 +72,6 @@ class ConfigError(IopError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
-def error_body(message: str, error_type: str, *, code: str | None, param: str | None = None) -> dict[str, object]:
-    """OpenAI's error answer: ``{"error": {"message", "type", "param", "code"}}``, all four always present."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 class RequestError(IopError):
     status = 500
     type = "server_error"
@@ -95,10 +86,6 @@ class RequestError(IopError):
             self.retry_after = retry_after
         # Response headers the answer carries besides Retry-After (where the job ran).
         self.headers: dict[str, str] = {}
-
-    def body(self) -> dict[str, object]:
-        return error_body(self.message, self.type, code=self.code, param=self.param)
-
 
 
 class InvalidRequest(RequestError):
@@ -137,6 +124,12 @@ class ResponseProviderDown(RequestError):
     type = "server_error"
     code = "response_provider_unavailable"
     retry_after = 5
+
+    @classmethod
+    def because(cls, why: str) -> ResponseProviderDown:
+        """``why``: its provider's reason, as ``lua/lib/unavailable_lane.lua`` words it. The words
+        are ``lua/lib/refuse_unavailable.lua``'s too (tests/dispatcher/test_refuse.py holds them equal)."""
+        return cls(f"The provider holding this response is unavailable ({why}); retry later")
 
 
 class Unauthorized(RequestError):
@@ -227,6 +220,12 @@ class NoProviderAvailable(RequestError):
     code = "no_provider_available"
     retry_after = 5
 
+    @classmethod
+    def because(cls, model_id: str, why: str) -> NoProviderAvailable:
+        """``why``: each provider's reason, as ``lua/lib/unavailable_lane.lua`` words it. The words
+        are ``lua/lib/refuse_unavailable.lua``'s too (tests/dispatcher/test_refuse.py holds them equal)."""
+        return cls(f"No provider of '{model_id}' is available ({why}); retry later")
+
 
 class Overloaded(RequestError):
     status = 503
@@ -298,112 +297,26 @@ class ProviderRejected(ProviderError):
         self.retry_elsewhere = status in RETRIED_STATUSES
 
 
-_BY_CODE: dict[str, type[RequestError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidRequest,
-        UnsupportedEndpoint,
-        Unauthorized,
-        BodyTooLarge,
-        QueueFull,
-        QueueTimeout,
-        NoProviderAvailable,
-        ResponseProviderDown,
-        Overloaded,
-        RedisUnavailable,
-        ProviderUnreachable,
-        ProviderTimeout,
-        WorkerLost,
-        JobCancelled,
-    )
-    if cls.code is not None
-}
+def _leaves_by_code(cls: type[RequestError]) -> dict[str, type[RequestError]]:
+    """Every class under ``cls`` by its code; of a class and a subclass with the same code,
+    the subclass (``ProviderUnreachable`` is what a bare ``provider_error`` stands for)."""
+    found: dict[str, type[RequestError]] = {}
+    for sub in cls.__subclasses__():
+        found.update(_leaves_by_code(sub))
+    if cls.code is not None:
+        found.setdefault(cls.code, cls)
+    return found
 
 
-# Anthropic's error types, by HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
-
-
-def anthropic_error_body(status: int, message: str) -> dict[str, object]:
-    """Anthropic's error answer: ``{"type": "error", "error": {"type", "message"}}``."""
-    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def openai_error_type(status: int) -> str:
-    """The ``type`` of an OpenAI-style error iop words itself, by HTTP status."""
-    if status == 429:
-        return "rate_limit_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-# The two error shapes, only as far as a client reads them: a body that decodes into its
-# endpoint's one is relayed as the provider wrote it.
-class _OpenAIErrorDetail(msgspec.Struct):
-    message: str
-
-
-class _OpenAIError(msgspec.Struct):
-    error: _OpenAIErrorDetail
-
-
-class _AnthropicErrorDetail(msgspec.Struct):
-    type: str
-    message: str
-
-
-class _AnthropicError(msgspec.Struct):
-    type: Literal["error"]
-    error: _AnthropicErrorDetail
-
-
-_SHAPE_DECODERS: dict[ErrorShape, msgspec.json.Decoder[Any]] = {
-    "openai": msgspec.json.Decoder(_OpenAIError),
-    "anthropic": msgspec.json.Decoder(_AnthropicError),
-}
-# Of a body that is not in shape, this much is quoted in the message that wraps it.
-QUOTED_CHARS = 1000
-# The code of an OpenAI-shaped error that wraps a provider's answer.
-WRAPPED_CODE = "upstream_error"
-
-
-def in_error_shape(body: bytes, shape: ErrorShape) -> bool:
-    """Is ``body`` an error answer that the clients of an endpoint with this ``shape`` read?"""
-    try:
-        _SHAPE_DECODERS[shape].decode(body)
-    except msgspec.DecodeError:
-        return False
-    return True
-
-
-def provider_said(provider: str, status: int, body: bytes, cut: bool = False) -> str:
-    """``provider p answered 404: <its body>`` in words: the body's whitespace folded, at most
-    ``QUOTED_CHARS`` of it (``cut``: the body was longer than what was read of it)."""
-    # Four bytes per character at most: enough to fill the quote, never the whole body.
-    text = " ".join(body[: QUOTED_CHARS * 4].decode(errors="replace").split())
-    if not text:
-        return f"provider {provider} answered {status} with an empty body"
-    if cut or len(text) > QUOTED_CHARS or len(body) > QUOTED_CHARS * 4:
-        text = text[:QUOTED_CHARS] + "…"
-    return f"provider {provider} answered {status}: {text}"
-
-
-def provider_error_body(shape: ErrorShape, status: int, body: bytes, provider: str, cut: bool = False) -> bytes:
-    """What the caller gets of a provider's error answer: ``body`` itself, byte for byte, when
-    it is an error of the endpoint's ``shape`` and whole; otherwise (another shape, HTML, text,
-    nothing, or ``cut`` -- longer than iop reads, so no longer JSON) an error of that shape
-    that names the provider and quotes the body, for the SDKs to parse."""
-    if not cut and in_error_shape(body, shape):
-        return body
-    message = provider_said(provider, status, body, cut)
-    if shape == "anthropic":
-        return msgspec.json.encode(anthropic_error_body(status, message))
-    return msgspec.json.encode(error_body(message, openai_error_type(status), code=WRAPPED_CODE))
+# Derived, so that no class can be left off (and turn into ProviderUnreachable on the way).
+_BY_CODE: dict[str, type[RequestError]] = _leaves_by_code(RequestError)
 
 
 def error_from_code(code: str, message: str) -> RequestError:
-    """Rebuild the error a worker reported (by its ``code``) on the API side."""
+    """Rebuild the error a worker (or a script) reported by its ``code`` on the API side: the
+    class of that code, with ``message`` as it was worded (not reworded by the class's own
+    constructor); a code iop does not know is a provider that failed."""
     cls = _BY_CODE.get(code, ProviderUnreachable)
-    return cls(message)
+    exc = cls.__new__(cls)
+    RequestError.__init__(exc, message)
+    return exc

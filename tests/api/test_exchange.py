@@ -14,6 +14,8 @@ from api.exchange import Exchange
 from api.metrics import RequestClock, RequestMetrics
 from api.stream_slots import StreamSlots
 from api.waiting import JobWait, ReplyReader, WaitRules
+from dispatcher import events
+from dispatcher.events import Done, Meta
 from dispatcher.script_calls import Cancelled, CancelOutcome, CancelReason
 
 pytestmark = pytest.mark.anyio
@@ -82,7 +84,8 @@ async def test_an_answer_ends_the_exchange_once_and_cancels_an_unfinished_job() 
 async def test_a_settled_job_is_not_cancelled() -> None:
     s = Setup()
     exchange, wait = s.exchange()
-    wait.settled = True  # its final event came
+    wait.waiter.push(events.encode(Done(Meta("p", "n1", "served", 0), 200, b"{}")))
+    await wait.next_event()  # its final event came
     exchange.answered(200)
     await asyncio.gather(*s.spawned)
     assert s.jobs.cancels == []
@@ -92,7 +95,7 @@ async def test_a_settled_job_is_not_cancelled() -> None:
 async def test_a_stream_that_took_the_exchange_over_ends_it_itself() -> None:
     s = Setup()
     exchange, _wait = s.exchange()
-    exchange.streaming = True
+    exchange.stream_takes_over()
     exchange.answered(200)  # the handler returns the stream: nothing ends yet
     assert s.slots.in_use == 1
     assert "j1" in s.replies.waiters

@@ -60,7 +60,7 @@ async def test_a_request_that_ends_without_an_answer_is_counted_once(
 def test_a_submit_that_did_not_take_the_job_is_answered_by_its_error(
     status: SubmitStatus, why: str, error: type[RequestError], http: int
 ) -> None:
-    refused = relay_module._refusal(Submitted(status, 7, 0, why), "m", Tenant("t", 0, max_queued=3), False)
+    refused = relay_module._refusal(Submitted(status, 7, 0, why), "m", Tenant("t", 0, max_queued=3), "openai")
     assert isinstance(refused, error)
     assert refused.status == http
     if why == "a: down":
@@ -71,4 +71,4 @@ def test_a_submit_that_did_not_take_the_job_is_answered_by_its_error(
 
 @pytest.mark.parametrize("status", [SubmitStatus.DISPATCHED, SubmitStatus.QUEUED])
 def test_a_submit_that_took_the_job_is_no_refusal(status: SubmitStatus) -> None:
-    assert relay_module._refusal(Submitted(status, 0, 1000), "m", Tenant("t", 0), False) is None
+    assert relay_module._refusal(Submitted(status, 0, 1000), "m", Tenant("t", 0), "openai") is None

@@ -108,7 +108,7 @@ async def test_the_cancel_gives_up_after_two_lease_periods() -> None:
 
 async def test_a_requeue_after_output_started_ends_the_wait_instead_of_splicing() -> None:
     wait, _ = job_wait(lease_ms=1000)
-    wait.output_started = True
+    wait.output_began()
     wait.waiter.push(events.encode(Requeued()))
     with pytest.raises(WorkerLost):
         await wait.next_event()

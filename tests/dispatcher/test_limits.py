@@ -86,7 +86,7 @@ async def test_a_minute_of_requests_then_one_per_interval(any_redis: Redis) -> N
     _, again = await h.send()
     assert again.status == SubmitStatus.RATE_LIMITED
     assert (await h.state())["x:team-a:requests"] == "2"
-    answer = ratelimits.refusal(again.status, again.limits, h.tenant, anthropic=False)
+    answer = ratelimits.refusal(again.status, again.limits, h.tenant, "openai")
     assert answer.status == 429
     assert answer.code == "rate_limited"
     assert answer.retry_after == 10
@@ -135,7 +135,7 @@ async def test_a_request_larger_than_a_minute_is_refused_for_good(any_redis: Red
     h = await harness(any_redis, limited_config(tokens_per_minute=1000))
     _, refused = await h.send(tokens=1001)
     assert refused.status == SubmitStatus.RATE_LIMITED
-    answer = ratelimits.refusal(refused.status, refused.limits, h.tenant, anthropic=False)
+    answer = ratelimits.refusal(refused.status, refused.limits, h.tenant, "openai")
     assert answer.status == 400  # no retry would ever fit it
     assert "1000" in answer.message
 
@@ -147,7 +147,7 @@ async def test_a_budget_stops_the_tenant_until_the_next_day(any_redis: Redis) ->
     await h.finish(job, prompt=500, completion=300)  # it used 800
     _, refused = await h.send(tokens=300)
     assert refused.status == SubmitStatus.BUDGET_EXHAUSTED
-    answer = ratelimits.refusal(refused.status, refused.limits, h.tenant, anthropic=True)
+    answer = ratelimits.refusal(refused.status, refused.limits, h.tenant, "anthropic")
     assert answer.code == "budget_exhausted"
     assert answer.retry_after == 3600  # the harness says midnight is an hour away
     assert answer.headers["x-iop-budget-remaining-tokens"] == "200"

@@ -10,7 +10,8 @@ from typing import Any
 
 import msgspec
 
-from dispatcher.exceptions import ProviderRejected, error_body
+from api.errors import error_body
+from dispatcher.exceptions import ProviderRejected
 from workers.adapters.base import ProviderCall
 
 

@@ -13,16 +13,11 @@ import os
 
 import aiohttp
 
+from api.errors import provider_error_body, provider_said
 from dispatcher.config import ProviderConfig
 from dispatcher.endpoints import Endpoint
 from dispatcher.envelope import JSON
-from dispatcher.exceptions import (
-    ProviderRejected,
-    ProviderTimeout,
-    ProviderUnreachable,
-    provider_error_body,
-    provider_said,
-)
+from dispatcher.exceptions import ProviderRejected, ProviderTimeout, ProviderUnreachable
 from dispatcher.jsonbody import event_type, is_json_object
 from workers.adapters.base import Adapter, ProbeResult, ProviderCall, Sink, passed_headers
 from workers.adapters.probes import probe_http, probe_http_busy

@@ -1,4 +1,4 @@
-"""A provider's error answer as the caller gets it (``dispatcher/exceptions.py``): in the
+"""A provider's error answer as the caller gets it (``api/errors.py``): in the
 endpoint's error shape, byte for byte when it already is, wrapped when it is not."""
 
 from __future__ import annotations
@@ -10,14 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from api.errors import QUOTED_CHARS, in_error_shape, provider_error_body, provider_said
 from dispatcher.endpoints import ErrorShape
-from dispatcher.exceptions import (
-    QUOTED_CHARS,
-    ProviderRejected,
-    in_error_shape,
-    provider_error_body,
-    provider_said,
-)
+from dispatcher.exceptions import ProviderRejected
 
 OPENAI_ERROR = b'{"error":{"message":"bad","type":"invalid_request_error","param":null,"code":null}}'
 ANTHROPIC_ERROR = b'{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"},"request_id":"r"}'
