@@ -94,12 +94,12 @@ def test_tokens_are_reserved_only_where_tokens_are_limited_and_generated() -> No
 
 
 def test_no_state_no_headers() -> None:
-    assert ratelimits.headers(b"", anthropic=False) == {}
+    assert ratelimits.headers(b"", shape="openai") == {}
 
 
 @pytest.mark.parametrize(("reset_ms", "shown"), [(120, "120ms"), (1_500, "1.5s"), (360_000, "6m0s"), (61_400, "1m1s")])
 def test_openai_headers_give_resets_as_durations(reset_ms: int, shown: str) -> None:
-    got = ratelimits.headers(state(requests=[10, 7, reset_ms], tokens=[5_000, 4_000, 1_000]), anthropic=False)
+    got = ratelimits.headers(state(requests=[10, 7, reset_ms], tokens=[5_000, 4_000, 1_000]), shape="openai")
     assert got == {
         "x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "7", "x-ratelimit-reset-requests": shown,
         "x-ratelimit-limit-tokens": "5000", "x-ratelimit-remaining-tokens": "4000", "x-ratelimit-reset-tokens": "1s",
@@ -107,7 +107,7 @@ def test_openai_headers_give_resets_as_durations(reset_ms: int, shown: str) -> N
 
 
 def test_anthropic_headers_give_resets_as_times_and_the_budget_has_its_own() -> None:
-    got = ratelimits.headers(state(requests=[10, 0, 30_000], budget=[90_000, 12]), anthropic=True)
+    got = ratelimits.headers(state(requests=[10, 0, 30_000], budget=[90_000, 12]), shape="anthropic")
     assert got == {
         "anthropic-ratelimit-requests-limit": "10", "anthropic-ratelimit-requests-remaining": "0",
         "anthropic-ratelimit-requests-reset": "2024-10-04T01:00:30Z",
@@ -120,7 +120,7 @@ def test_anthropic_headers_give_resets_as_times_and_the_budget_has_its_own() -> 
 
 def test_a_rate_limit_refusal_says_which_limit_and_when_to_retry() -> None:
     raw = state(requests=[10, 0, 2_300], limit="requests", retry_after_ms=2_300)
-    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(requests_per_minute=10), anthropic=False)
+    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(requests_per_minute=10), shape="openai")
     assert isinstance(exc, RateLimited)
     assert exc.status == 429
     assert "requests per minute" in exc.message
@@ -132,14 +132,14 @@ def test_a_rate_limit_refusal_says_which_limit_and_when_to_retry() -> None:
 
 def test_a_refusal_due_at_once_still_asks_for_a_wait() -> None:
     raw = state(tokens=[5_000, 0, 0], limit="tokens", retry_after_ms=0)
-    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(tokens_per_minute=5_000), anthropic=False)
+    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(tokens_per_minute=5_000), shape="openai")
     assert "tokens per minute" in exc.message
     assert (exc.retry_after, exc.headers["retry-after-ms"]) == (1, "1")
 
 
 def test_a_spent_budget_names_its_size_and_waits_for_the_next_day() -> None:
     raw = state(budget=[90_000, 0], limit="budget", retry_after_ms=3_600_000)
-    exc = ratelimits.refusal(SubmitStatus.BUDGET_EXHAUSTED, raw, tenant(tokens_per_day=90_000), anthropic=True)
+    exc = ratelimits.refusal(SubmitStatus.BUDGET_EXHAUSTED, raw, tenant(tokens_per_day=90_000), shape="anthropic")
     assert isinstance(exc, BudgetExhausted)
     assert "90000 tokens" in exc.message
     assert exc.retry_after == 3_600
@@ -149,7 +149,7 @@ def test_a_spent_budget_names_its_size_and_waits_for_the_next_day() -> None:
 def test_a_request_larger_than_a_minutes_tokens_is_the_callers_error() -> None:
     # No wait would let it through (lua/lib/limits.lua answers a negative wait).
     raw = state(tokens=[5_000, 5_000, 0], limit="tokens", retry_after_ms=-1)
-    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(tokens_per_minute=5_000), anthropic=False)
+    exc = ratelimits.refusal(SubmitStatus.RATE_LIMITED, raw, tenant(tokens_per_minute=5_000), shape="openai")
     assert isinstance(exc, InvalidRequest)
     assert exc.status == 400
     assert exc.param == "max_tokens"
