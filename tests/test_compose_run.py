@@ -42,7 +42,7 @@ CHAT = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -53,6 +53,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with (state / "test.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         running = Stack(f"iop-test-{os.getpid()}", free_port(), log_dir)
+        failed_before = request.session.testsfailed
         try:
             running.up()
             yield running
@@ -60,6 +61,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             print(running.logs())
             raise
         finally:
+            # A failed test does not raise in here: keep the containers' logs for it too,
+            # before down removes them.
+            if request.session.testsfailed > failed_before:
+                (log_dir / "containers.log").write_text(running.logs(tail=400))
+                print(f"the containers' logs: {log_dir / 'containers.log'}")
             running.down()
 
 
