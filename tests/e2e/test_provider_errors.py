@@ -6,6 +6,7 @@ not in it), and iop's own 502 / 504 for what only iop can know."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,10 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) 
             http_provider("pa", "vllm", sys_.port("fa"), 2, ["served"], timeout_s=10.0),
             http_provider("pb", "vllm", sys_.port("fb"), 2, ["served"], timeout_s=10.0),
         ]}],
+        # What each status does to the request, not to the provider: pa answers 5xx on
+        # purpose, request after request, and must stay in rotation for the next test
+        # (ejection on that evidence: tests/e2e/test_ejection.py).
+        "ejection": {"consecutive_5xx": 0, "failure_rate": 0},
     })
     with sys_:
         for name in ("f", "fa", "fb"):
@@ -65,6 +70,15 @@ def fake(system: System) -> Iterator[Fake]:
     # Whatever happened, the slots came back.
     system.wait_until("slots released", lambda: all(system.in_flight(p) == 0 for p in ("p", "pa", "pb")),
                       timeout=15)
+    # The next test starts with no provider paused, so that the lower id is tried first again.
+    unpaused(system)
+
+
+def unpaused(system: System) -> None:
+    """Until no provider is paused by a 429 it answered (docs/PROVIDERS.md, rate limits: a 429
+    without retry-after pauses its provider for 1 s, doubling while they follow each other)."""
+    system.wait_until("no provider paused by a 429", lambda: all(
+        int(system.provider(p).get("hold_until") or 0) <= time.time() * 1000 for p in ("p", "pa", "pb")), timeout=15)
 
 
 @pytest.fixture
@@ -96,7 +110,15 @@ def test_a_status_another_provider_may_not_share_goes_to_it(system: System, pair
     bad, good = pair
     sent = []
     for status in (429, 500, 502, 503, 529):
-        bad.control(fail_status=status)
+        if status == 429:
+            # With retry-after 0: a 429 otherwise pauses its provider for a second (docs/
+            # PROVIDERS.md, rate limits), and the next requests would skip pa for that.
+            error = {"error": {"message": "fake provider failure (status 429)", "type": "rate_limit_error",
+                               "param": None, "code": None}}
+            bad.control(fail_status=None, fail_with={"status": 429, "body": json.dumps(error),
+                                                     "headers": {"retry-after": "0"}})
+        else:
+            bad.control(fail_with=None, fail_status=status)
         for stream in (False, True):
             marker = f"{status}-{'stream' if stream else 'json'}"
             body = {"model": PAIR, "messages": MESSAGES, "user": marker}
