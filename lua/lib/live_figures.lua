@@ -5,13 +5,16 @@
 -- tokens/s of the answered requests. A histogram bin is 5% wide (LIVE_BIN below), so a
 -- percentile read from it is within 2.5% of the samples' own (dispatcher/live.py reads
 -- them). `ttft` ms (< 0: none, a JSON answer), `e2e` ms, `tokens` completion tokens, `kind`
--- '' answered, else the error's kind. One HMGET and one HSET.
+-- '' answered, else the error's kind. One HMGET, one HSET and a PEXPIRE: a pair no call
+-- touched for longer than its longest window (a provider or model a reload removed) goes.
 --!include lib/live_windows.lua
 
 local LIVE_LOG_RATIO = math.log(1.05)
 -- Bins are offset so that no histogram is ever a Lua sequence 1..n (cmsgpack would pack it
 -- as an array): values from 0.001 up all land at 859 and above.
 local LIVE_BIN_BASE = 1000
+-- The 24h window and one more hour (its current bucket): nothing older is ever read.
+local LIVE_KEEP_MS = 25 * 3600 * 1000
 
 local function live_bin(v)
   return LIVE_BIN_BASE + math.floor(math.log(math.max(v, 0.001)) / LIVE_LOG_RATIO)
@@ -44,4 +47,5 @@ local function note_live(key, now, ttft, e2e, tokens, kind)
     args[#args + 1], args[#args + 2] = names[i], cmsgpack.pack(bucket)
   end
   redis.call('HSET', key, unpack(args))
+  redis.call('PEXPIRE', key, LIVE_KEEP_MS)
 end

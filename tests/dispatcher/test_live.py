@@ -227,3 +227,13 @@ async def test_a_provider_never_heard_of_has_no_uptime_rather_than_zero(h: Harne
     cat = await read_catalog(h.redis, h.config)
     a = next(p for p in cat.providers if p.id == "a")
     assert a.live["5m"].uptime is None  # one heartbeat so far: nothing seen yet
+
+
+async def test_a_pair_no_call_touches_past_its_longest_window_expires(h: Harness) -> None:
+    await run_one(h, LiveSample(e2e_ms=120.0, ttft_ms=40.0, error=""))
+    key = keys.live("a", "m") if await h.redis.exists(keys.live("a", "m")) else keys.live("b", "m")
+    ttl_ms = await h.redis.pttl(key)
+    longest_ms = max(length * count for _, length, count in live.WINDOWS)
+    # Kept past the 24h window (a removed provider's figures do not stay forever), each call
+    # giving it that long again.
+    assert longest_ms < ttl_ms <= longest_ms + 3600 * 1000

@@ -130,7 +130,9 @@ def test_callers_requests_make_the_live_figures(system: System, report: dict[str
     live = {p["id"]: p["live"]["5m"] for p in cat["providers"]}
     assert sum(v["requests"] for v in live.values()) == 12
     served = [v for v in live.values() if v["requests"]]
-    assert all(v["ttft_ms"]["p50"] >= 150 and v["e2e_ms"]["p50"] > v["ttft_ms"]["p50"] for v in served)
+    # The fakes wait 150 ms at least before their first token; a live percentile is read from
+    # 5%-wide bins, so it may show up to 5% under the samples it counts.
+    assert all(v["ttft_ms"]["p50"] >= 150 * 0.95 and v["e2e_ms"]["p50"] > v["ttft_ms"]["p50"] for v in served), live
     assert all(v["uptime"] is not None and v["uptime"] > 0.9 for v in live.values())
     metrics = httpx.get(f"{system.api_url}/metrics", timeout=10).text
     assert 'iop_live_requests{model="m",provider="a",window="5m"}' in metrics
