@@ -14,7 +14,8 @@ import pytest
 from dispatcher import config as cfg
 from dispatcher.config import legacy
 from dispatcher.config.validation import NO_MODELS
-from dispatcher.exceptions import ConfigError, ConfigProblem
+from dispatcher.exceptions import ConfigProblem
+from tests.dispatcher.config.base_config import only_problem, problems_of
 
 # --------------------------------------------------------------------------- helpers
 
@@ -82,19 +83,6 @@ def mixed() -> dict[str, Any]:
 def pool_shape() -> dict[str, Any]:
     prov = {"id": "p", "type": "vllm", "base_url": "http://h:1", "models": ["s"]}
     return {"models": [{"id": "m", "providers": {"p": "s"}}], "nodes": [{"id": "n", "providers": [prov]}]}
-
-
-def problems_of(raw: Any) -> list[ConfigProblem]:
-    with pytest.raises(ConfigError) as info:
-        cfg.parse(raw)
-    assert info.value.problems, "ConfigError raised without problems"
-    return info.value.problems
-
-
-def only_problem(raw: Any) -> ConfigProblem:
-    problems = problems_of(raw)
-    assert len(problems) == 1, problems
-    return problems[0]
 
 
 @pytest.fixture(autouse=True)
