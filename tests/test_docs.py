@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+import api.qualify  # noqa: F401  (defines the qualification errors the table lists)
 from dispatcher import config as cfg
 from dispatcher import exceptions
 from dispatcher.endpoints import ENDPOINTS
