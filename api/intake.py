@@ -24,6 +24,7 @@ from litestar import Request
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 
 from api.ratelimits import limits_for
+from api.request_headers import headers_of
 from api.runtime import Runtime
 from dispatcher import wire
 from dispatcher.affinity import blocks_of, session_block, session_of
@@ -111,7 +112,7 @@ def fallbacks(request: Request[Any, Any, Any], rt: Runtime, intake: Intake) -> I
         return
     asked = intake.fell_back_from or intake.model.id
     for model, found in _serving(rt, intake.tenant, intake.model, intake.endpoint):
-        blocks = (affinity_blocks(model, intake.endpoint, intake.body, request.headers) if intake.blocks else ())
+        blocks = (affinity_blocks(model, intake.endpoint, intake.body, headers_of(request)) if intake.blocks else ())
         yield msgspec.structs.replace(intake, model=model, lane=_in_band(request, rt, intake.tenant, found),
                                       blocks=blocks, fell_back_from=asked)
 
@@ -128,7 +129,7 @@ def _allowed(rt: Runtime, tenant: Tenant, model_id: str) -> ModelConfig:
 def _in_band(request: Request[Any, Any, Any], rt: Runtime, tenant: Tenant, lane: Lane) -> Lane:
     if len(rt.plans.bands) == 1:
         return lane
-    band = rt.tenants.band_for(tenant, request.headers)
+    band = rt.tenants.band_for(tenant, headers_of(request))
     return lane if band == lane.band else rt.plans.banded(lane, band)
 
 
@@ -139,7 +140,7 @@ async def read_body(request: Request[Any, Any, Any], rt: Runtime) -> bytes:
     except TimeoutError:
         raise RequestTimeout("The request body did not arrive in time") from None
     except RequestEntityTooLarge:
-        raise too_large(request.headers, rt.config.api.max_body_bytes) from None
+        raise too_large(headers_of(request), rt.config.api.max_body_bytes) from None
 
 
 def too_large(headers: Mapping[str, str], limit: int) -> BodyTooLarge:
@@ -157,7 +158,7 @@ async def take(
     worker's (dispatcher/tracing.py)."""
     body = await read_body(request, rt)
     spec = ENDPOINTS[endpoint]
-    content_type = request.headers.get("content-type", JSON)
+    content_type = headers_of(request).get("content-type", JSON)
     previous = None
     if spec.body == "multipart":
         if not content_type.startswith("multipart/form-data"):
@@ -177,7 +178,7 @@ async def take(
         maker = await _maker(rt, previous, "previous_response_id")
         lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, maker, previous))
         return Intake(model, endpoint, stream, lane, True, stored, tenant,
-                      limits=limits_for(tenant, body, True), deadline_ms=_deadline(request.headers))
+                      limits=limits_for(tenant, body, True), deadline_ms=_deadline(headers_of(request)))
     asked = None
     found = rt.plans.lane_for(model.id, endpoint)
     if found is None:
@@ -187,8 +188,8 @@ async def take(
             raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
         asked, (model, found) = model.id, taker
     return Intake(model, endpoint, stream, _in_band(request, rt, tenant, found), False, stored, tenant,
-                  affinity_blocks(model, endpoint, body, request.headers) if spec.body != "multipart" else (),
-                  limits_for(tenant, body, content_type == JSON), _deadline(request.headers), body, asked)
+                  affinity_blocks(model, endpoint, body, headers_of(request)) if spec.body != "multipart" else (),
+                  limits_for(tenant, body, content_type == JSON), _deadline(headers_of(request)), body, asked)
 
 
 async def take_stored(
@@ -231,7 +232,7 @@ def affinity_blocks(model: ModelConfig, endpoint: str, body: bytes, headers: Map
 
 
 def forwarded(request: Request[Any, Any, Any]) -> dict[str, str]:
-    headers = request.headers
+    headers = headers_of(request)
     return {name: headers[name] for name in FORWARDED_HEADERS if name in headers}
 
 

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from api.gateway import Gateway
 from api.head import GET_AND_HEAD, page
 from api.intake import Intake
+from api.request_headers import headers_of
 from api.runtime import Runtime
 from dispatcher import keys, qualifications
 from dispatcher.config import QUALIFY_TENANT
@@ -239,11 +240,11 @@ def qualification_of(request: Request[Any, Any, Any], rt: Runtime) -> str | None
     """The run a request belongs to (its ``x-iop-qualify``), checked: the admin key, qualification
     on, the run under way, in time and within its tokens (what the request may ask, its
     ``max_tokens``/``max_completion_tokens``, is counted when it arrives). None: a caller's."""
-    run_id = request.headers.get(RUN_HEADER)
+    run_id = headers_of(request).get(RUN_HEADER)
     if run_id is None:
         return None
     client = request.client
-    rt.admin.check_control(request.headers, client.host if client else None)
+    rt.admin.check_control(headers_of(request), client.host if client else None)
     _enabled(rt)
     return run_id
 

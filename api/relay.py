@@ -24,6 +24,7 @@ from api.gateway import Gateway
 from api.intake import FALL_BACK_ON, Intake, fallbacks, take, take_stored
 from api.metrics import RequestClock
 from api.qualify import PROVIDER_HEADER, admit, qualification_of
+from api.request_headers import headers_of
 from api.runtime import Runtime
 from api.waiting import ClientGone, JobWait
 from dispatcher import tracing
@@ -51,7 +52,7 @@ async def relay(
     clock = RequestClock(gw.metrics)
     if tracing.tracer is not None:
         route = f"/v1/{endpoint}" if response_id is None else f"/v1/responses/{{response_id}}{rest}"
-        clock.trace = tracing.RequestTrace(request.method, route, request.headers)
+        clock.trace = tracing.RequestTrace(request.method, route, headers_of(request))
     exchange = Exchange(clock)
     try:
         answer = await _relay(request, gw, gw.runtime, exchange, endpoint, response_id, rest)
@@ -108,7 +109,7 @@ async def _relay(
     clock = exchange.clock
     # A qualification run's request (iop qualify) comes with the admin key, not a caller's.
     run_id = qualification_of(request, rt)
-    tenant = rt.callers.tenant_of(request.headers) if run_id is None else rt.tenants.default
+    tenant = rt.callers.tenant_of(headers_of(request)) if run_id is None else rt.tenants.default
     clock.tenant = tenant.name
     trace = clock.trace
     traceparent = "" if trace is None else trace.traceparent
@@ -117,7 +118,7 @@ async def _relay(
     else:
         intake = await take_stored(request, rt, response_id, rest, tenant, traceparent)
     if run_id is not None:
-        intake = await admit(gw, rt, run_id, intake, request.headers.get(PROVIDER_HEADER, ""))
+        intake = await admit(gw, rt, run_id, intake, headers_of(request).get(PROVIDER_HEADER, ""))
         tenant = intake.tenant
         clock.tenant = tenant.name
     model_id = intake.model.id

@@ -1,6 +1,6 @@
 """Throughput with many clients, the CPU it costs, and Redis round trips per request.
 
-    python -m bench.throughput [--clients 32] [--seconds 10] [--traced]
+    python -m bench.throughput [--clients 32] [--seconds 10] [--traced] [--litellm]
 
 One API process and one worker in front of one fast fake provider (capacity 64). For
 JSON answers and for 20-chunk streams: requests per second, CPU milliseconds per
@@ -13,6 +13,11 @@ XREADGROUP, XREAD and XADD, less the XADDs scripts make themselves (one to the n
 stream per dispatch, one final event per request, one first-output event per stream).
 The XTRIM the reply reader sends with its next XREAD shares that write; commands that
 scripts run inside Redis are not round trips. ``--verbose`` prints every command's count.
+
+``--litellm`` measures LiteLLM's proxy (``.venv-servers/litellm``, installed by ``./dev
+test``; one process, ``--num_workers 1``) in front of the same fake provider in the same run,
+its runs alternating with iop's, and adds the two ratios issue 31 sets goals on: iop's JSON
+throughput over LiteLLM's, and the API's CPU per JSON request over LiteLLM's.
 
 ``--traced`` turns tracing on (dispatcher/tracing.py): the API and the worker export every
 span over OTLP/HTTP to a receiver in this process that counts and discards them; the
@@ -27,13 +32,15 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 import aiohttp
 import uvloop
 
-from bench.stack import Stack, markdown_table, write_section
+from bench.stack import Stack, cpu_seconds, markdown_table, write_section
+from tests.realservers.servers import RealServer, start_litellm, unavailable
 
 COMMAND = "python -m bench.throughput"
 # What clients send on the request path; everything else in commandstats runs inside scripts
@@ -90,36 +97,90 @@ class DiscardingReceiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = False) -> str:
-    rows = []
+def litellm_config(fake_url: str) -> Callable[[int], dict[str, Any]]:
+    """LiteLLM's proxy serving the model ``bench`` from the stack's fake provider."""
+    def config(port: int) -> dict[str, Any]:
+        return {
+            "model_list": [{"model_name": "bench", "litellm_params": {
+                "model": "openai/served-a", "api_base": f"{fake_url}/v1", "api_key": "sk-unused"}}],
+            "litellm_settings": {"telemetry": False, "drop_params": True},
+        }
+    return config
+
+
+def median_run(runs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The run with the median rate: this machine's neighbours make single runs noisy."""
+    return sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+
+
+async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = False,
+               litellm: bool = False) -> str:
+    rows, against = [], []
     with Stack({"a": ["--tokens", "20"]}) as stack:
         url = f"{stack.api_url}/v1/chat/completions"
-        for stream in (False, True):
-            await load(url, stream, clients, min(2.0, seconds))  # warm-up
-            runs = []
-            for _ in range(repeat):
-                cpu0, cmd0 = stack.cpu(), stack.commandstats()
-                n, elapsed = await load(url, stream, clients, seconds)
-                runs.append((n / elapsed, n, elapsed, cpu0, stack.cpu(), cmd0, stack.commandstats()))
-            # The run with the median rate: this machine's neighbours make single runs noisy.
-            _, n, elapsed, cpu0, cpu1, cmd0, cmd1 = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-            per = {name: (cpu1[name] - cpu0[name]) * 1000 / n for name in cpu1}
-            calls = {name: cmd1.get(name, 0) - cmd0.get(name, 0) for name in cmd1}
-            script_xadds = n * (3 if stream else 2)
-            client_calls = sum(calls.get(c, 0) for c in CLIENT_COMMANDS) - script_xadds
-            iop_cpu = per["api"] + per["worker"] + per["redis"]
-            if verbose:
-                counts = {c: round(calls[c] / n, 3) for c in sorted(calls) if calls[c] > n // 100}
-                print("Redis commands per request:", counts)
-            fake = per["fake-a"]
-            rows.append([
-                "stream (20 chunks)" if stream else "JSON", f"{n / elapsed:,.0f}",
-                f"{per['api']:.3f}", f"{per['worker']:.3f}", f"{per['redis']:.3f}", f"{iop_cpu:.3f}",
-                f"{fake:.3f}", ratio(per["api"], fake), ratio(iop_cpu, fake), f"{client_calls / n:.2f}",
-            ])
-    return markdown_table(["request", "req/s", "API CPU ms/req", "worker CPU ms/req", "Redis CPU ms/req",
-                           "iop CPU ms/req", "fake provider CPU ms/req", "API ÷ fake provider CPU",
-                           "iop ÷ fake provider CPU", "Redis round trips/req"], rows)
+        other: RealServer | None = None
+        if litellm:
+            why = unavailable("litellm")
+            if why is not None:
+                raise SystemExit(why)
+            other = start_litellm(stack.dir, litellm_config(stack.fake_url("a")))
+        try:
+            for stream in (False, True):
+                row, compared = await measure(stack, url, other, stream, clients, seconds, repeat, verbose)
+                rows.append(row)
+                if compared is not None:
+                    against.append(compared)
+        finally:
+            if other is not None:
+                other.stop()
+    table = markdown_table(["request", "req/s", "API CPU ms/req", "worker CPU ms/req", "Redis CPU ms/req",
+                            "iop CPU ms/req", "fake provider CPU ms/req", "API ÷ fake provider CPU",
+                            "iop ÷ fake provider CPU", "Redis round trips/req"], rows)
+    if against:
+        table += "\n" + markdown_table(
+            ["request", "iop req/s", "LiteLLM req/s", "iop ÷ LiteLLM req/s", "LiteLLM CPU ms/req",
+             "LiteLLM ÷ fake provider CPU", "iop API CPU ÷ LiteLLM CPU",
+             "iop CPU (API + worker + Redis) ÷ LiteLLM CPU"],
+            against)
+    return table
+
+
+async def measure(stack: Stack, url: str, other: RealServer | None, stream: bool, clients: int, seconds: float,
+                  repeat: int, verbose: bool) -> tuple[list[str], list[str] | None]:
+    """One kind of request: iop's row, and with ``other`` (LiteLLM) the comparison's row, the
+    two measured in alternating runs."""
+    other_url = f"{other.url}/v1/chat/completions" if other is not None else ""
+    await load(url, stream, clients, min(2.0, seconds))  # warm-up
+    if other is not None:
+        await load(other_url, stream, clients, min(2.0, seconds))
+    runs, other_runs = [], []
+    for _ in range(repeat):
+        cpu0, cmd0 = stack.cpu(), stack.commandstats()
+        n, elapsed = await load(url, stream, clients, seconds)
+        runs.append((n / elapsed, n, elapsed, cpu0, stack.cpu(), cmd0, stack.commandstats()))
+        if other is not None:
+            fake0, own0 = stack.cpu()["fake-a"], cpu_seconds(other.proc.pid)
+            m, took = await load(other_url, stream, clients, seconds)
+            other_runs.append((m / took, m, took, stack.cpu()["fake-a"] - fake0, cpu_seconds(other.proc.pid) - own0))
+    _, n, elapsed, cpu0, cpu1, cmd0, cmd1 = median_run(runs)
+    per = {name: (cpu1[name] - cpu0[name]) * 1000 / n for name in cpu1}
+    calls = {name: cmd1.get(name, 0) - cmd0.get(name, 0) for name in cmd1}
+    script_xadds = n * (3 if stream else 2)
+    client_calls = sum(calls.get(c, 0) for c in CLIENT_COMMANDS) - script_xadds
+    iop_cpu = per["api"] + per["worker"] + per["redis"]
+    if verbose:
+        counts = {c: round(calls[c] / n, 3) for c in sorted(calls) if calls[c] > n // 100}
+        print("Redis commands per request:", counts)
+    fake = per["fake-a"]
+    kind = "stream (20 chunks)" if stream else "JSON"
+    row = [kind, f"{n / elapsed:,.0f}", f"{per['api']:.3f}", f"{per['worker']:.3f}", f"{per['redis']:.3f}",
+           f"{iop_cpu:.3f}", f"{fake:.3f}", ratio(per["api"], fake), ratio(iop_cpu, fake), f"{client_calls / n:.2f}"]
+    if other is None:
+        return row, None
+    rate, m, _, other_fake, own = median_run(other_runs)
+    own_ms, other_fake_ms = own * 1000 / m, other_fake * 1000 / m
+    return row, [kind, f"{n / elapsed:,.0f}", f"{rate:,.0f}", f"{n / elapsed / rate:.1f}", f"{own_ms:.3f}",
+                 ratio(own_ms, other_fake_ms), ratio(per["api"], own_ms), ratio(iop_cpu, own_ms)]
 
 
 def ratio(cpu: float, fake: float) -> str:
@@ -134,6 +195,8 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per row; the median run is reported")
     parser.add_argument("--verbose", action="store_true", help="print every Redis command's calls per request")
+    parser.add_argument("--litellm", action="store_true",
+                        help="LiteLLM's proxy in front of the same fake provider, in alternating runs")
     parser.add_argument("--traced", action="store_true",
                         help="tracing on, every span exported (OTLP/HTTP) to a receiver here that discards it")
     args = parser.parse_args()
@@ -143,12 +206,17 @@ if __name__ == "__main__":
         receiver = DiscardingReceiver()
         # The stack's processes inherit it; the batch schedule is the SDK's default (5 s, 512 spans).
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
-    table = asyncio.run(main(args.clients, args.seconds, args.repeat, args.verbose))
+    table = asyncio.run(main(args.clients, args.seconds, args.repeat, args.verbose, args.litellm))
     print(table)
     notes = (f"{args.clients} concurrent clients (keep-alive), {args.repeat} runs of {args.seconds:g} s per row "
              "(the median run shown), one API process, one worker, one fake provider answering at once; "
              "the load generator and the fake provider share the same 2 cores.\n")
-    if receiver is None:
+    if args.litellm:
+        notes += ("The second table: LiteLLM's proxy (one process) in front of the same fake provider, its runs "
+                  "alternating with iop's in the same run; each ratio is of the median runs.\n")
+        write_section("throughput-litellm", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g} "
+                      f"--repeat {args.repeat} --litellm", table, notes)
+    elif receiver is None:
         write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}", table, notes)
     else:
         print(f"spans received: {receiver.spans:,}")

@@ -27,11 +27,12 @@ pytestmark = pytest.mark.anyio
 
 
 class Request:
-    """What intake reads of a request: its headers and its body."""
+    """What intake reads of a request: its headers (as an ASGI scope holds them) and its body."""
 
     def __init__(self, body: bytes, **headers: str) -> None:
         self._body = body
-        self.headers = {"content-type": "application/json", **{k.replace("_", "-"): v for k, v in headers.items()}}
+        named = {"content-type": "application/json", **{k.replace("_", "-"): v for k, v in headers.items()}}
+        self.scope: dict[str, Any] = {"headers": [(k.encode(), v.encode()) for k, v in named.items()]}
 
     async def body(self) -> bytes:
         return self._body
