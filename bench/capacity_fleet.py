@@ -2,6 +2,7 @@
 
     python -m bench.capacity_fleet [--quick] [--seconds 60] [--scenarios ...] [--targets ...]
                                    [--loads ...] [--auto-provider JSON] [--no-write]
+                                   [--shapes ...] [--affinity JSON]
 
 Simulated continuous-batching servers (``bench/fleet_sim.py``, one process each, serving
 vLLM's or SGLang's engine metrics at ``/metrics``) are driven by open-loop Poisson loads
@@ -47,6 +48,8 @@ Scenarios (``--scenarios``):
   1,400-1,600-token system prompts) at 50 / 80 / 100% of their nominal capacity (perfect
   prefix routing), iop with prefix affinity (``load_bound`` 1.25) at capacity = batch, 4x
   batch and auto, and sglang-router. Goodput and cache hit rate, every shape and load.
+  ``--shapes`` runs some of them; ``--affinity`` JSON is merged over the affinity section
+  every iop target gets (to measure another ``max_wait_ms`` or ``look_ahead``, say).
 * ``external``: the hetero fleet; another client (in the load generator) sends 40% of the
   fast server's capacity straight to it, while iop takes the rest of 80% of the fleet's
   capacity. iop's TTFT with fixed capacities against auto; what each lost.
@@ -675,8 +678,8 @@ class Runner:
         a, slo = self.args, self.args.slo_ms / 1000
         out = [shapes_notes(a)]
         goals: list[list[str]] = []
-        affinity = dict(AFFINITY)
-        for shape in SHAPES:
+        affinity = {**AFFINITY, **a.affinity}
+        for shape in (s for s in SHAPES if s.name in a.shapes):
             sims = shape.sims(W, a.seed)
             cap = nominal_capacity(sims[0], shape.servers, W, "equal", a.seed)
             nominal = cap.per_server * shape.servers
@@ -988,7 +991,8 @@ def shapes_notes(args: argparse.Namespace) -> str:
     return (f"**Workload.** prefix_fleet's *equal* tenants ({W.tenants} tenants x {W.users} users, "
             f"{W.prefix_tokens[0]:,}-{W.prefix_tokens[1]:,}-token system prompts, {W.query_tokens[0]}-"
             f"{W.query_tokens[1]}-token questions, {W.output_tokens} tokens out). iop with `affinity: "
-            f"{json.dumps(AFFINITY)}`, capacity = each server's batch (its `max_batch`), 4x that, and auto. The "
+            f"{json.dumps({**AFFINITY, **args.affinity})}`, capacity = each server's batch (its `max_batch`), 4x "
+            "that, and auto. The "
             f"servers' caches start empty and the warm-up seconds fill them. {run_notes(args)}\n")
 
 
@@ -1100,6 +1104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds after the last arrival for the answers; then the rest are unanswered")
     parser.add_argument("--auto-provider", type=json.loads, default=AUTO_PROVIDER,
                         help="the provider fields of iop-auto and iop-auto-latency, as JSON")
+    parser.add_argument("--affinity", type=json.loads, default={},
+                        help="shapes: JSON merged over the affinity section every iop target gets")
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES],
+                        help="shapes: the fleet shapes to run")
     parser.add_argument("--generous", type=int, default=16, help="iop-16's capacity for every provider")
     parser.add_argument("--slo-ms", type=float, default=1000.0, help="the TTFT goodput counts")
     parser.add_argument("--settle-before", type=float, default=30.0, help="settling: seconds of load before the change")

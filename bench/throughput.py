@@ -17,7 +17,10 @@ scripts run inside Redis are not round trips. ``--verbose`` prints every command
 ``--litellm`` measures LiteLLM's proxy (``.venv-servers/litellm``, installed by ``./dev
 test``; one process, ``--num_workers 1``) in front of the same fake provider in the same run,
 its runs alternating with iop's, and adds the two ratios issue 31 sets goals on: iop's JSON
-throughput over LiteLLM's, and the API's CPU per JSON request over LiteLLM's.
+throughput over LiteLLM's, and the API's CPU per JSON request over LiteLLM's. The load
+generator (this process, aiohttp) shares the 2 cores: its own CPU per request is shown, since
+it bounds iop's throughput (every process of iop's and the fake's share those cores) far more
+than LiteLLM's (one process, held to one core by its own CPU per request).
 
 ``--traced`` turns tracing on (dispatcher/tracing.py): the API and the worker export every
 span over OTLP/HTTP to a receiver in this process that counts and discards them; the
@@ -140,7 +143,7 @@ async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = Fa
         table += "\n" + markdown_table(
             ["request", "iop req/s", "LiteLLM req/s", "iop ÷ LiteLLM req/s", "LiteLLM CPU ms/req",
              "LiteLLM ÷ fake provider CPU", "iop API CPU ÷ LiteLLM CPU",
-             "iop CPU (API + worker + Redis) ÷ LiteLLM CPU"],
+             "iop CPU (API + worker + Redis) ÷ LiteLLM CPU", "load generator CPU ms/req (iop / LiteLLM)"],
             against)
     return table
 
@@ -155,14 +158,16 @@ async def measure(stack: Stack, url: str, other: RealServer | None, stream: bool
         await load(other_url, stream, clients, min(2.0, seconds))
     runs, other_runs = [], []
     for _ in range(repeat):
-        cpu0, cmd0 = stack.cpu(), stack.commandstats()
+        cpu0, cmd0, mine0 = stack.cpu(), stack.commandstats(), time.process_time()
         n, elapsed = await load(url, stream, clients, seconds)
-        runs.append((n / elapsed, n, elapsed, cpu0, stack.cpu(), cmd0, stack.commandstats()))
+        runs.append((n / elapsed, n, elapsed, cpu0, stack.cpu(), cmd0, stack.commandstats(),
+                     time.process_time() - mine0))
         if other is not None:
-            fake0, own0 = stack.cpu()["fake-a"], cpu_seconds(other.proc.pid)
+            fake0, own0, mine0 = stack.cpu()["fake-a"], cpu_seconds(other.proc.pid), time.process_time()
             m, took = await load(other_url, stream, clients, seconds)
-            other_runs.append((m / took, m, took, stack.cpu()["fake-a"] - fake0, cpu_seconds(other.proc.pid) - own0))
-    _, n, elapsed, cpu0, cpu1, cmd0, cmd1 = median_run(runs)
+            other_runs.append((m / took, m, took, stack.cpu()["fake-a"] - fake0, cpu_seconds(other.proc.pid) - own0,
+                               time.process_time() - mine0))
+    _, n, elapsed, cpu0, cpu1, cmd0, cmd1, mine = median_run(runs)
     per = {name: (cpu1[name] - cpu0[name]) * 1000 / n for name in cpu1}
     calls = {name: cmd1.get(name, 0) - cmd0.get(name, 0) for name in cmd1}
     script_xadds = n * (3 if stream else 2)
@@ -177,10 +182,11 @@ async def measure(stack: Stack, url: str, other: RealServer | None, stream: bool
            f"{iop_cpu:.3f}", f"{fake:.3f}", ratio(per["api"], fake), ratio(iop_cpu, fake), f"{client_calls / n:.2f}"]
     if other is None:
         return row, None
-    rate, m, _, other_fake, own = median_run(other_runs)
+    rate, m, _, other_fake, own, other_mine = median_run(other_runs)
     own_ms, other_fake_ms = own * 1000 / m, other_fake * 1000 / m
     return row, [kind, f"{n / elapsed:,.0f}", f"{rate:,.0f}", f"{n / elapsed / rate:.1f}", f"{own_ms:.3f}",
-                 ratio(own_ms, other_fake_ms), ratio(per["api"], own_ms), ratio(iop_cpu, own_ms)]
+                 ratio(own_ms, other_fake_ms), ratio(per["api"], own_ms), ratio(iop_cpu, own_ms),
+                 f"{mine * 1000 / n:.3f} / {other_mine * 1000 / m:.3f}"]
 
 
 def ratio(cpu: float, fake: float) -> str:
