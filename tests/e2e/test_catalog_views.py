@@ -411,11 +411,15 @@ def test_ui_page_draws_the_last_minutes(system: System, tmp_path: Path) -> None:
             full = tmp_path / "ui.png"
             page.screenshot(path=str(full), full_page=True)
             assert png_pixels(full.read_bytes())[1] > height
-            for table in page.locator("table:visible").all():
-                table_box = table.bounding_box()
-                assert table_box is not None
-                assert table_box["width"] > 100, table_box
-                assert table_box["height"] > 20, table_box
+            # Measured in one call on the page: its polls redraw the tables, so an element found
+            # by one call may be gone by the next.
+            table_boxes = page.eval_on_selector_all(
+                "table", "ts => ts.filter(t => t.getClientRects().length > 0)"
+                " .map(t => { const r = t.getBoundingClientRect(); return [r.width, r.height]; })")
+            assert table_boxes
+            for table_width, table_height in table_boxes:
+                assert table_width > 100, table_boxes
+                assert table_height > 20, table_boxes
             assert page.locator("[data-testid=provider]").count() == len(providers)
         finally:
             browser.close()
