@@ -158,7 +158,8 @@ async def take(
     worker's (dispatcher/tracing.py)."""
     body = await read_body(request, rt)
     spec = ENDPOINTS[endpoint]
-    content_type = headers_of(request).get("content-type", JSON)
+    request_headers = headers_of(request)
+    content_type = request_headers.get("content-type", JSON)
     previous = None
     if spec.body == "multipart":
         if not content_type.startswith("multipart/form-data"):
@@ -178,7 +179,7 @@ async def take(
         maker = await _maker(rt, previous, "previous_response_id")
         lane = _in_band(request, rt, tenant, _pinned_lane(rt, model, maker, previous))
         return Intake(model, endpoint, stream, lane, True, stored, tenant,
-                      limits=limits_for(tenant, body, True), deadline_ms=_deadline(headers_of(request)))
+                      limits=limits_for(tenant, body, True), deadline_ms=_deadline(request_headers))
     asked = None
     found = rt.plans.lane_for(model.id, endpoint)
     if found is None:
@@ -188,8 +189,8 @@ async def take(
             raise UnsupportedEndpoint(f"No provider of '{model.id}' serves /v1/{endpoint}")
         asked, (model, found) = model.id, taker
     return Intake(model, endpoint, stream, _in_band(request, rt, tenant, found), False, stored, tenant,
-                  affinity_blocks(model, endpoint, body, headers_of(request)) if spec.body != "multipart" else (),
-                  limits_for(tenant, body, content_type == JSON), _deadline(headers_of(request)), body, asked)
+                  affinity_blocks(model, endpoint, body, request_headers) if spec.body != "multipart" else (),
+                  limits_for(tenant, body, content_type == JSON), _deadline(request_headers), body, asked)
 
 
 async def take_stored(
