@@ -5,11 +5,14 @@
   ``api.max_header_bytes``; past that the client gets ``431`` and the connection closes.
 * **Slow headers.** A client that opens a connection and trickles its headers ties up
   a connection for as long as it likes (slowloris). The headers must be complete within
-  ``api.header_timeout_s``, else the client gets ``408`` and the connection closes.
+  ``api.header_timeout_s`` of the connection's opening or of a kept-alive connection's
+  next first byte, else the client gets ``408`` and the connection closes.
 
 The body is bounded by ``api.max_body_bytes`` (Litestar) and its arrival by
-``api.body_timeout_s``; idle keep-alive connections by uvicorn's own
-``timeout_keep_alive``.
+``api.body_timeout_s``; an idle kept-alive connection by uvicorn's own
+``timeout_keep_alive`` (``api.keep_alive_s``), which the head timer leaves alone: were it
+armed when a response ends, it would count the idle time too and close, at the head
+timeout, a connection that a client may be reusing in that instant.
 
 This subclasses a module uvicorn does not publish as API: pyproject.toml pins uvicorn to
 the releases it was tested with.
@@ -81,6 +84,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
+            if self._head_due is None:
+                self._arm_head_timer()  # the first byte of a kept-alive connection's next head
             end = data.find(_END_OF_HEAD)
             self._head_bytes += len(data) if end < 0 else end
             if self._head_bytes > self.max_head_bytes:
@@ -99,11 +104,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # The next request on this connection starts its own head.
         self._in_head = True
         self._head_bytes = 0
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self._in_head and not self.transport.is_closing():
-            self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
         self._head_due = self.loop.time() + self.head_timeout_s

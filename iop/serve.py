@@ -50,7 +50,7 @@ def serve_api(
     options: dict[str, Any] = {
         "factory": True, "host": host, "port": port, "loop": "uvloop", "http": http, "log_level": log_level,
         "log_config": logs.uvicorn_config(log_level) or LOGGING_CONFIG, "access_log": False,
-        "timeout_graceful_shutdown": 10,
+        "timeout_graceful_shutdown": 10, "timeout_keep_alive": config.api.keep_alive_s,
         # The client address stays the socket's peer: uvicorn would otherwise take it from
         # X-Forwarded-For (from any peer, with FORWARDED_ALLOW_IPS=*), and runtime control
         # trusts a loopback peer (api/auth.py).

@@ -123,13 +123,18 @@ class ApiConfig(_Base, frozen=True):
     tenant_header: str | None = None
     # Keys for the operator surfaces (/catalog, /ui, /metrics); unset = the caller keys.
     admin_keys_env: str | None = None
-    # The HTTP server is built with the first three: a reload keeps them until a restart.
+    # The HTTP server is built with the fields marked RESTART: a reload keeps them until a restart.
     max_body_bytes: Annotated[int, POSITIVE, RESTART] = 16 * 1024 * 1024
     # Request line and headers together; beyond, 431.
     max_header_bytes: Annotated[int, POSITIVE, RESTART] = 16 * 1024
     # A client must send its headers, and then its body, within these.
     header_timeout_s: Annotated[float, POSITIVE, RESTART] = 10.0
     body_timeout_s: Annotated[float, POSITIVE] = 30.0
+    # How long an idle kept-alive connection stays open. Longer than the idle limit of any
+    # client or proxy in front (httpx 5 s, aiohttp 15 s, nginx and cloud load balancers
+    # 60 s), so the client always closes first: a server that closes in the instant a
+    # client reuses the connection fails that request, and a POST cannot be retried.
+    keep_alive_s: Annotated[float, POSITIVE, RESTART] = 75.0
     # Streamed answers one API process relays at once; beyond, 503 server_overloaded.
     max_streams: Annotated[int, POSITIVE] = 4096
 

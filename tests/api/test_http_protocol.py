@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -43,7 +44,7 @@ def port() -> Iterator[int]:
     chosen = free_port()
     api = ApiConfig(max_header_bytes=MAX_HEAD, header_timeout_s=HEAD_TIMEOUT_S)
     config = uvicorn.Config(app, host=HOST, port=chosen, http=cast(Any, limited_protocol(api)), lifespan="off",
-                            log_level="warning")
+                            log_level="warning", timeout_keep_alive=READ_S)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -149,3 +150,15 @@ def test_the_next_request_on_a_kept_connection_has_its_own_head_timer(port: int)
         status, _, body = read_answer(sock)
         assert status == 408
         assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_an_idle_kept_connection_outlives_the_head_timeout(port: int) -> None:
+    """Idle time between requests is the keep-alive limit's to bound, not the head timer's:
+    a client reusing the connection after a pause longer than the head timeout is served."""
+    with connect(port) as sock:
+        sock.sendall(request())
+        assert read_answer(sock)[0] == 200
+        time.sleep(HEAD_TIMEOUT_S * 4)
+        sock.sendall(request(body=b"again"))
+        status, _, body = read_answer(sock)
+        assert (status, body) == (200, b"5")

@@ -80,3 +80,22 @@ def test_api_and_worker_say_at_start_which_redis_they_use(tmp_path: Path, redis_
                           tmp_path / "a.log", "Redis:")
     assert api.endswith(f"Redis: {redis_server.url} ({source})"), api
     assert "iop.api" in api
+
+
+def test_the_api_server_keeps_idle_connections_for_keep_alive_s(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's own idle limit (5 s) equals httpx's, so a client could reuse a connection in
+    the instant the server closes it; the server is given ``api.keep_alive_s`` instead."""
+    import iop.serve
+
+    path = tmp_path / "iop.yaml"
+    path.write_text(yaml.safe_dump({**ONE_MODEL, "api": {"keep_alive_s": 42.5}}))
+    given: dict[str, object] = {}
+    monkeypatch.setattr(iop.serve.uvicorn, "run", lambda app, **options: given.update(options))
+    monkeypatch.setattr(iop.serve.logs, "configure", lambda *args, **kwargs: None)
+    monkeypatch.setenv("IOP_REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("IOP_CONFIG", "")  # serve_api sets it for its server processes; restored after
+    config = cfg.parse(yaml.safe_load(path.read_text())).config
+    iop.serve.serve_api(config, str(path), host="127.0.0.1", port=1, workers=1, log_level="warning")
+    assert given["timeout_keep_alive"] == 42.5
+    assert cfg.parse(ONE_MODEL).config.api.keep_alive_s > 60  # past nginx's and cloud balancers' 60 s

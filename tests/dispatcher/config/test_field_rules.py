@@ -218,6 +218,7 @@ def test_the_restart_only_settings() -> None:
     assert set(restart_paths(cfg.Config)) == {
         ("redis",), ("dispatch",), ("tracing",),
         ("api", "max_body_bytes"), ("api", "max_header_bytes"), ("api", "header_timeout_s"),
+        ("api", "keep_alive_s"),
     }
 
 
