@@ -129,6 +129,9 @@ class Assignment(msgspec.Struct, frozen=True):
     # It must go to this provider (a stored Response lives there): a retry or a requeue
     # after a reload goes back to the provider's own lane, not to an endpoint's.
     pinned: bool = False
+    # Sent past the provider's capacity, to wait in its engine's queue as a hit of its home
+    # queue (lua/lib/home_room.lua): its latency says nothing of the limit it was sent over.
+    queued: bool = False
 
     @property
     def queue_ms(self) -> int:
@@ -158,6 +161,7 @@ class Assignment(msgspec.Struct, frozen=True):
             dispatched_ms=int(f[b"dispatched_ms"]),
             body=f[b"body"],
             pinned=f.get(b"pinned") == b"1",
+            queued=f.get(b"queued") == b"1",
         )
 
 

@@ -106,7 +106,8 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
                 spec, load_bound=aff.load_bound, load_floor=aff.load_floor, index=pos(keys.affinity(model.id)),
                 recency=pos(keys.affinity_recency(model.id)),
                 footprint=pos(keys.affinity_footprint(model.id)), index_max=aff.index_max_blocks,
-                index_ttl_ms=aff.index_ttl_s * 1000, look_ahead=aff.look_ahead, max_wait_ms=aff.max_wait_ms)
+                index_ttl_ms=aff.index_ttl_s * 1000, look_ahead=aff.look_ahead, max_wait_ms=aff.max_wait_ms,
+                home_queue=aff.home_queue)
         specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
     stats = pos(keys.AFFINITY_STATS) if any(spec.load_bound for _, spec in specs) else 0

@@ -99,6 +99,7 @@ class LaneSpec(msgspec.Struct, frozen=True):
     index_ttl_ms: int = 0
     look_ahead: int = 0
     max_wait_ms: int = 0
+    home_queue: float = 0.0  # a home takes its prompts up to capacity x (1 + this)
 
 
 class Ejection(msgspec.Struct, frozen=True):

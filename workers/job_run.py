@@ -123,7 +123,10 @@ class JobRunner:
                 final = sink.final_event()
                 running.live = live_sample(job, started, sink, final)
                 if self._capacity is not None:
-                    self._capacity.called(job.provider, timed(started, sink, final), sink_status(sink, final),
+                    # A call sent to wait in its home's queue (past the limit) waited there by
+                    # design: its latency would read as the limit being too high.
+                    sample = None if job.queued else timed(started, sink, final)
+                    self._capacity.called(job.provider, sample, sink_status(sink, final),
                                           sink.headers if not isinstance(final, events.Done) else final.headers)
                 return final
             except JobAborted as exc:

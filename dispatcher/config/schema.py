@@ -280,6 +280,12 @@ class AffinityConfig(_Base, frozen=True):
     # slot: a second home if one is free, else wherever).
     look_ahead: Annotated[int, msgspec.Meta(ge=0, le=64)] = 8
     max_wait_ms: Annotated[int, msgspec.Meta(ge=0, le=60_000)] = 500
+    # A home's own queue: a job whose prompt's head a provider holds may go there while its
+    # in_flight is under capacity x (1 + home_queue), to wait in its engine's queue with its
+    # prefix cached, rather than be prefilled whole on another provider (which then caches
+    # it too, and evicts what it held). Anything else still stops at capacity, so the limit
+    # keeps meaning where requests run, and what waits without a home waits in iop.
+    home_queue: Annotated[float, msgspec.Meta(ge=0.0, le=8.0)] = 1.0
 
 
 class ModelConfig(_Base, frozen=True):

@@ -4,8 +4,9 @@
 -- home first, then second homes in the order they were made. The job goes to the first
 -- holder of the longest head that may run it, has a free slot and is within the load
 -- bound: its load ratio with this job at most lane.load_bound x the lane's mean, (inf + 1)
--- / cap <= bound x (sum inf + 1) / (sum cap), or at most lane.load_floor. A holder within
--- the bound but busy is waited for while `patient` (the job has not waited
+-- / cap <= bound x (sum inf + 1) / (sum cap), or at most lane.load_floor; with none free,
+-- to the first of them with room in its home queue (lib/home_room.lua: lane.home_queue).
+-- A holder within the bound but busy is waited for while `patient` (the job has not waited
 -- lane.max_wait_ms for it): 'spill' with busy = true, and the caller holds the job. A head
 -- whose holders are all over the bound spills to a shorter head's, then to `default` (the
 -- S04 choice). A provider that may not take work (down, drained, removed, ejected:
@@ -17,6 +18,7 @@
 --!include lib/usable.lua
 --!include lib/serves.lua
 --!include lib/excluded.lua
+--!include lib/home_room.lua
 
 local function affine(ctx, lane, rec, default, patient)
   local held = redis.call('HMGET', KEYS[BASE + lane.index], unpack(rec.blocks))
@@ -38,18 +40,24 @@ local function affine(ctx, lane, rec, default, patient)
   local spilled, busy = false, false
   for i = #rec.blocks, 1, -1 do
     if held[i] then
+      local queued, waits = nil, false
       for pid in string.gmatch(held[i], '[^,]+') do
         local cand = eligible[pid]
         if cand then
           local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
           if bounded(s) then
             if s.inf < s.cap then return cand, 'hit', held end
-            -- Busy but within the bound: worth waiting for, rather than a second home.
-            if patient then return default, 'spill', held, true end
-            busy = true
+            if queued == nil and home_room(lane, s) then queued = cand end
+            waits = true
           end
           spilled = true
         end
+      end
+      if queued then return queued, 'hit', held end
+      if waits then
+        -- Busy but within the bound: worth waiting for, rather than a second home.
+        if patient then return default, 'spill', held, true end
+        busy = true
       end
     end
   end

@@ -25,8 +25,11 @@ local function assign(ctx, job, rec, lane, cand)
   redis.call('ZREM', DEADLINES, job)
   if rec.submitted_ms < now then note_drain(qkey, now) end
   dispatched(ctx, rec, lane)
+  local s = provider_state(ctx, pkey)
+  -- Past its capacity: a hit sent to wait in its home's queue (lib/home_room.lua).
+  local queued = s.inf >= s.cap and 1 or 0
   redis.call('HINCRBY', pkey, 'in_flight', 1)
-  provider_state(ctx, pkey).inf = provider_state(ctx, pkey).inf + 1
+  s.inf = s.inf + 1
   redis.call('ZADD', LEASES, now + LEASE_MS, job)
   local body = redis.call('HGET', BODIES, job) or ''
   -- The node stream entry (dispatcher/events.py Assignment, by the same names).
@@ -34,7 +37,7 @@ local function assign(ctx, job, rec, lane, cand)
     'job', job, 'fence', fence, 'provider', cand.provider, 'target', cand.served, 'model', lane.model,
     'lane', lane.name, 'replica', rec.replica, 'endpoint', rec.endpoint, 'stream', rec.stream,
     'attempt', rec.attempt, 'submitted_ms', rec.submitted_ms, 'dispatched_ms', now,
-    'pinned', rec.pin and 1 or 0, 'body', body)
+    'pinned', rec.pin and 1 or 0, 'queued', queued, 'body', body)
   rec.state, rec.provider, rec.node, rec.target, rec.fence = 'd', cand.provider, cand.node, cand.served, fence
   rec.entry_id, rec.dispatched_ms, rec.output_started = entry, now, 0
   put_record(job, rec)

@@ -1,11 +1,13 @@
 -- The head to dispatch next across `lanes` and the candidate it is offered (nil: none this
 -- call): the first of the lanes' heads in the ordering (lib/before.lua) whose lane has a
--- candidate with a free slot (lib/pick.lua). Each lane's head is read once per pump() call
+-- candidate with a free slot (lib/pick.lua), or with room in a home queue
+-- (lib/any_home_room.lua). Each lane's head is read once per pump() call
 -- (`ctx`, lib/pump.lua) and again only after the lane gave one up: ctx.heads[i] is lane i's
 -- head {lane, job, score, i}; nil: to be read; false: nothing more this call (empty, or no
 -- free provider may take its jobs). A head held for its busy home keeps the slot from the
 -- lanes of later bands (ctx.held_band).
 --!include lib/pick.lua
+--!include lib/any_home_room.lua
 --!include lib/head.lua
 --!include lib/may_run.lua
 --!include lib/before.lua
@@ -22,7 +24,7 @@ local function next_head(ctx, lanes)
       heads[i] = h
     end
     if h then
-      local cand = pick(ctx, lane, nil)
+      local cand = pick(ctx, lane, nil) or any_home_room(ctx, lane)
       if cand == nil then
         heads[i] = false  -- a dispatch only fills providers: none frees up this call
       elseif best == nil or before(h, best) then

@@ -8,6 +8,8 @@
 --            holds it (hold_until: nothing new goes there)
 --   ejected  out of rotation for its 5xx answers (lib/eject.lua) until ej_until: a lane
 --            uses it only when none of its other providers can take work (lib/usable.lua)
+--   firm     nothing goes past cap, not even to a home's queue (lib/home_room.lua): it is on
+--            trial, or a rate limit holds it
 --!include lib/takes_work.lua
 
 local function provider_state(ctx, pkey)
@@ -17,15 +19,19 @@ local function provider_state(ctx, pkey)
                          'hold_until', 'ej_until', 'ej_trial')
     local now = ctx.now
     s = {ok = takes_work(v, now), cap = tonumber(v[3]) or 0, inf = (tonumber(v[5]) or 0) + (tonumber(v[6]) or 0),
-         ejected = false}
+         ejected = false, firm = false}
     if v[9] == '1' then
       if (tonumber(v[8]) or 0) > now then
         s.ejected = true
       else
         s.cap = math.min(s.cap, 1)  -- on trial: one request at a time until one is answered
+        s.firm = true
       end
     end
-    if (tonumber(v[7]) or 0) > now then s.inf = math.max(s.inf, s.cap) end
+    if (tonumber(v[7]) or 0) > now then
+      s.inf = math.max(s.inf, s.cap)
+      s.firm = true
+    end
     ctx.providers[pkey] = s
   end
   return s

@@ -64,6 +64,8 @@ local function pump(now)
     elseif outcome == 'held' then
       heads[best.i] = false
       ctx.held_band = math.min(ctx.held_band or best.lane.band, best.lane.band)
+    elseif outcome == 'full' then
+      heads[best.i] = false  -- nothing of this lane runs before it
     elseif outcome == 'blocked' then
       -- Only busy or failed providers may run it: it keeps its place, and the jobs behind
       -- it go on (a few per lane and call, which bounds the call's cost).

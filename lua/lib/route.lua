@@ -6,6 +6,8 @@
 --        `other` instead (lib/look_ahead.lua): route that one, `looked` set
 --   'held': the job waits for its busy home and nothing behind it takes `cand`
 --   'blocked': the only free candidates are ones it may not use: it waits for another
+--   'full': no candidate has a free slot and no home of its prompt has room in its home
+--        queue (`cand` was offered for that queue: lib/next_head.lua): it waits
 --   'gone': it has no record (it leaves the queue)
 -- `looked`: the job is one look_ahead found, which waits for nothing. `ctx`: the pump()
 -- call's state (lib/pump.lua).
@@ -19,6 +21,13 @@
 --!include lib/affine.lua
 --!include lib/look_ahead.lua
 --!include lib/remember.lua
+--!include lib/provider_state.lua
+
+-- Only a home's queue takes a job past capacity (lib/home_room.lua).
+local function has_slot(ctx, cand)
+  local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
+  return s.inf < s.cap
+end
 
 local function route(ctx, job, lane, cand, looked)
   local qkey, now = queue_of(lane), ctx.now
@@ -54,8 +63,11 @@ local function route(ctx, job, lane, cand, looked)
       end
     end
     cand = chosen
+    if decision ~= 'hit' and not has_slot(ctx, cand) then return 'full' end
     remember(lane, rec, cand.provider, held, now)
     redis.call('HINCRBY', KEYS[BASE + PLAN.affinity_stats], lane.model .. '\t' .. decision, 1)
+  elseif not has_slot(ctx, cand) then
+    return 'full'
   end
   return 'ok', rec, cand
 end

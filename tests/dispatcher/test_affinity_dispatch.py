@@ -70,7 +70,7 @@ class AffineHarness(Harness):
         return {k.decode().split("\t")[1]: int(v) for k, v in raw.items()}
 
 
-def tenants_config(keys_: list[dict[str, Any]], **api: Any) -> cfg.Config:
+def tenants_config(keys_: list[dict[str, Any]], home_queue: float = 1.0, **api: Any) -> cfg.Config:
     """Two providers of one slot each, model m with prefix affinity, and these named keys."""
     return cfg.parse({
         "api": {"keys": keys_, **api},
@@ -78,7 +78,8 @@ def tenants_config(keys_: list[dict[str, Any]], **api: Any) -> cfg.Config:
         "nodes": [{"id": "n1", "providers": [
             {"id": p, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": [f"m@{p}"]}
             for p in "ab"]}],
-        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"}, "affinity": {"mode": "prefix"}}],
+        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"},
+                    "affinity": {"mode": "prefix", "home_queue": home_queue}}],
     }).config
 
 
@@ -146,13 +147,14 @@ async def test_a_head_spills_at_the_load_bound_and_gains_a_second_home(any_redis
     held = (await any_redis.hget(keys.affinity("m"), blocks_of("chat/completions", chat(doc, "q4"))[0])).decode()
     assert held.split(",") == [home, other]  # the home first, the second home after it
     # With the total grown, the home is within the bound again (4/4 <= 1.5 x 5/8) and
-    # comes first; full, it is waited for (see below) unless it is over the bound, and
-    # then the second home takes the head.
+    # comes first; full, the second home, which holds the head too, takes it while it has a
+    # free slot within the bound: a hit there, not a wait.
     assert (await h.send(chat(doc, "q4")))[1] == home
-    assert (await h.send(chat(doc, "q5")))[1] is None  # home full: waits for it
-    # Footprints: the shared blocks and the four tails it ran, the shared ones and one tail.
+    assert (await h.send(chat(doc, "q5")))[1] == other
+    assert (await h.stats())["spill"] == 1
+    # Footprints: the shared blocks and the four tails it ran, the shared ones and two tails.
     n = len(blocks_of("chat/completions", chat(doc, "q0")))
-    assert await h.footprints() == {home: n - 1 + 4, other: n}
+    assert await h.footprints() == {home: n - 1 + 4, other: n + 1}
 
 
 @pytest.mark.parametrize(("load_floor", "at_home"), [(0.5, 4), (0.25, 2), (0.0, 1)])
@@ -186,7 +188,8 @@ async def test_a_busy_home_is_waited_for_within_max_wait(any_redis: Redis) -> No
     # A wait far longer than the test, so that "still waiting" cannot race a loaded
     # machine; the wait is then made to have lasted that long rather than waited out.
     max_wait_ms = 60_000
-    h = await started(any_redis, affine_config({"a": 1, "b": 1}, max_wait_ms=max_wait_ms))
+    # No home queue: what a job does once its home's queue is full (see the next test).
+    h = await started(any_redis, affine_config({"a": 1, "b": 1}, max_wait_ms=max_wait_ms, home_queue=0))
     x, y = TENANT_DOCS["a"], TENANT_DOCS["b"]
     x1, home = await h.send(chat(x, "x1"))
     other = "b" if home == "a" else "a"
@@ -208,6 +211,48 @@ async def test_a_busy_home_is_waited_for_within_max_wait(any_redis: Redis) -> No
     _, where = await h.send(chat(y, "y2"))  # any call pumps; the head goes first
     assert (await h.record(x3)).provider == other
     assert where is None
+
+
+async def test_a_home_queues_its_own_prompts_past_its_capacity(any_redis: Redis) -> None:
+    # Capacity 2, home_queue 1: a home takes its own prompts while in_flight < 4; a prompt
+    # that is no one's hit still stops at capacity. A bound that never spills.
+    h = await started(any_redis, affine_config({"a": 2, "b": 2}, load_bound=100, home_queue=1.0))
+    x, y, z = TENANT_DOCS["a"], TENANT_DOCS["b"], TENANT_DOCS["c"]
+    xs = [await h.send(chat(x, f"x{i}")) for i in range(1, 5)]
+    home = xs[0][1]
+    other = "b" if home == "a" else "a"
+    assert [where for _, where in xs] == [home] * 4
+    # The last two went past its capacity: the stream entry says so, for the worker.
+    assert [(await h.assignment(job)).queued for job, _ in xs] == [False, False, True, True]
+    assert await h.in_flight(home) == 4
+    x5, where = await h.send(chat(x, "x5"))
+    assert where is None  # its home queue is full too: it waits in iop
+    y1, where = await h.send(chat(y, "y1"))
+    assert where == other
+    _, where = await h.send(chat(y, "y2"))
+    assert where == other
+    # Both at capacity: a new head waits for a free slot, though `other` has room in its
+    # home queue, and the lane's jobs behind it wait with it (FIFO).
+    z1, where = await h.send(chat(z, "z1"))
+    y3, where_y3 = await h.send(chat(y, "y3"))
+    assert (where, where_y3) == (None, None)
+    # A slot frees on `other`: the head x5 still waits for its home, and the look-ahead
+    # hands the slot to z1 (no home), then y3 to its home's queue there.
+    await h.done(y1)
+    assert [(await h.record(j)).provider for j in (x5, z1, y3)] == [None, other, other]
+    assert [(await h.assignment(j)).queued for j in (z1, y3)] == [False, True]
+    assert await h.in_flight(other) == 3
+
+
+async def test_a_firm_provider_has_no_home_queue(any_redis: Redis) -> None:
+    """A provider a rate limit holds takes nothing new, not even into its home queue."""
+    h = await started(any_redis, affine_config({"a": 1, "b": 1}, load_bound=100, home_queue=1.0))
+    x = TENANT_DOCS["a"]
+    _, home = await h.send(chat(x, "x1"))
+    assert home is not None
+    await any_redis.hset(keys.provider(home), "hold_until", str(10**13))  # held for ages
+    _, where = await h.send(chat(x, "x2"))
+    assert where is None  # it waits for its home (max_wait_ms), which takes nothing new
 
 
 async def test_a_provider_that_cannot_take_work_holds_nothing(any_redis: Redis) -> None:
@@ -304,7 +349,7 @@ async def test_the_look_ahead_keeps_fifo_within_a_tenant_and_the_bands(any_redis
     config = tenants_config([{"name": "t1", "key_sha256": "1" * 64, "weight": 4},
                              {"name": "t2", "key_sha256": "2" * 64, "weight": 1},
                              {"name": "low", "key_sha256": "3" * 64, "priority": "batch"}],
-                            priorities=["standard", "batch"])
+                            home_queue=0, priorities=["standard", "batch"])
     h = await started(any_redis, config)
     tenants = Tenants(config)
 

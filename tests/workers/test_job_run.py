@@ -23,6 +23,7 @@ from dispatcher.script_calls import EmitOutcome, FinishOutcome
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import free_port
 from tests.waiting import EVENTUALLY_S, eventually
+from workers.capacity import CallSample
 from workers.job_run import JobRunner
 from workers.leases import SHUTDOWN, Running, Runs
 from workers.runtime import ProviderAdapters
@@ -87,6 +88,26 @@ class RecordingProviders:
 
 
 @dataclass
+class RecordingCapacity:
+    """Stands in for ``CapacityControl``: the calls the runs reported, with their samples."""
+
+    samples: list[tuple[str, CallSample | None, int]] = field(default_factory=list)
+    streams: list[str] = field(default_factory=list)
+
+    def call_started(self, provider_id: str, key: object) -> None:
+        self.streams.append(provider_id)
+
+    def first_output(self, provider_id: str, key: object) -> None:
+        pass
+
+    def call_ended(self, provider_id: str, key: object) -> None:
+        pass
+
+    def called(self, provider_id: str, sample: CallSample | None, status: int, headers: dict[str, str]) -> None:
+        self.samples.append((provider_id, sample, status))
+
+
+@dataclass
 class Runner:
     runner: JobRunner
     side: RecordingSide
@@ -120,11 +141,11 @@ async def runner() -> AsyncIterator[Runner]:
 
 
 def chat_job(name: str = "j1", stream: bool = False, provider: str = "p", endpoint: str = "chat/completions",
-             fence: int = 1) -> Assignment:
+             fence: int = 1, queued: bool = False) -> Assignment:
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}).encode()
     return Assignment(entry_id="1-0", job=name, fence=fence, provider=provider, target="t", model="m", lane="",
                       replica="r1", endpoint=endpoint, stream=stream, attempt=1, submitted_ms=0, dispatched_ms=0,
-                      body=body)
+                      body=body, queued=queued)
 
 
 
@@ -153,6 +174,23 @@ async def test_a_stream_goes_out_as_it_comes_then_ends(runner: Runner) -> None:
     [finished] = runner.side.finished
     assert isinstance(finished.event, End)
     assert finished.mode == "done"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_sent_to_a_home_queue_is_no_latency_sample(runner: Runner, stream: bool) -> None:
+    """A job sent past the provider's limit (to wait in its home's engine queue) waited there
+    by design: the limit's controller hears of its answer, but not of its latency."""
+    capacity = RecordingCapacity()
+    runner.runner._capacity = capacity  # type: ignore[assignment]
+    with anyio.fail_after(EVENTUALLY_S):
+        await runner.runner.run(chat_job("within", stream=stream))
+        await runner.runner.run(chat_job("queued", stream=stream, queued=True))
+    [(_, within, status), (_, queued, queued_status)] = capacity.samples
+    assert (status, queued_status) == (200, 200)
+    assert isinstance(within, CallSample)
+    assert queued is None
+    # Its first token still tells the engine's queue where the engine reports none.
+    assert capacity.streams == (["p", "p"] if stream else [])
 
 
 # --------------------------------------------------------------------------- failures
