@@ -255,6 +255,58 @@ async def test_a_firm_provider_has_no_home_queue(any_redis: Redis) -> None:
     assert where is None  # it waits for its home (max_wait_ms), which takes nothing new
 
 
+async def test_only_hits_go_past_capacity_under_a_random_load(any_redis: Redis) -> None:
+    """Random submits and answers over three providers of different capacities: every
+    dispatch at or past a provider's capacity is a hit there (a provider that served a prompt
+    of that head before) within capacity x (1 + home_queue), and says so on its stream entry;
+    every other dispatch found a free slot."""
+    import random
+
+    caps = {"a": 2, "b": 3, "c": 1}
+    h = await started(any_redis, affine_config(caps, home_queue=1.0, load_bound=2.0))
+    rng = random.Random(30)
+    # Many heads, so that misses (and spills) come while every provider is at capacity.
+    docs = [f"You answer for tenant {i}. " + f"Policy {i} clause. " * 300 for i in range(40)]
+    served: dict[int, set[str]] = {i: set() for i in range(len(docs))}
+    doc_of: dict[str, int] = {}
+    running: list[str] = []
+    seen: set[str] = set()  # stream entries read (a finish deletes its own)
+    past = 0
+    for step in range(300):
+        before = {p: await h.in_flight(p) for p in caps}
+        hits_before = (await h.stats()).get("hit", 0)
+        queued_now = 0
+        waiting = len(await h.queued("m"))
+        if running and (waiting > 10 or rng.random() < 0.45):
+            job = running.pop(rng.randrange(len(running)))
+            rec = await h.record(job)
+            await h.done(job)
+            before[rec.provider] -= 1
+        else:
+            d = rng.randrange(len(docs))
+            job, _ = await h.send(chat(docs[d], f"q{step}"))
+            doc_of[job] = d
+        for a in await h.assignments():
+            if a.entry_id in seen:
+                continue
+            seen.add(a.entry_id)
+            inf, cap = before[a.provider], caps[a.provider]
+            assert a.queued == (inf >= cap), (step, a.job, a.provider, inf, cap)
+            if a.queued:
+                past += 1
+                queued_now += 1
+                assert a.provider in served[doc_of[a.job]], (step, a.job, a.provider)
+                assert inf < 2 * cap, (step, a.provider, inf)
+            before[a.provider] = inf + 1
+            served[doc_of[a.job]].add(a.provider)
+            running.append(a.job)
+        # Each of them was routed as a hit (lua/lib/route.lua counts the decisions).
+        assert (await h.stats()).get("hit", 0) - hits_before >= queued_now, step
+        for p, cap in caps.items():
+            assert await h.in_flight(p) <= 2 * cap
+    assert past > 10  # the home queues were used, or the test says nothing
+
+
 async def test_a_provider_that_cannot_take_work_holds_nothing(any_redis: Redis) -> None:
     h = await started(any_redis, affine_config({"a": 8, "b": 8}))
     doc = TENANT_DOCS["b"]
