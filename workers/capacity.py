@@ -144,33 +144,36 @@ class LimitController:
         ``external``: load iop does not send, counted against iop's share of the limit."""
         self._last_tick = now
         peak, self._peak_in_flight = self._peak_in_flight, 0
+        # iop's own requests there past the limit: dispatched before it fell, or hits sent to
+        # wait in their home's queue (lua/lib/home_room.lua), which is demand beyond it too.
+        excess = max(peak - self.limit, 0)
         # Every slot of iop's share was taken with more waiting: the provider is the bottleneck.
-        saturated = backlog and peak >= self.limit - external
+        saturated = (backlog or excess > 0) and peak >= self.limit - external
         window = [r for r in self._readings if 0 <= now - r.at <= PERSIST_S]
         if len(window) >= 2 and now - window[-1].at <= STALE_S:
             self._remember(self._pending)
             self._pending = []
-            return self._by_engine(now, window, saturated, draining=peak > self.limit)
+            return self._by_engine(now, window, saturated, excess)
         return self._by_latency(now, saturated)
 
-    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool, draining: bool) -> Change | None:
+    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool, excess: int) -> Change | None:
         """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
         request that arrived during a step waits for the next one, and SGLang refreshes its
-        gauges only now and then; those are not a knee. ``draining``: iop still runs more
-        than the limit there (dispatched before it fell): the queue is theirs, not the
-        limit's, until they are done."""
+        gauges only now and then; those are not a knee. Nor does the part of it that is iop's
+        own ``excess`` over the limit: those wait there by design, or until they are done."""
         waits = [r.waiting or 0 for r in window]
-        if min(waits) > 0:
-            if draining:
-                return None
-            # What the engine runs at most while it queues, and iop's excess over it: the limit
-            # falls to the one or by the other, whichever moves it less (a stale reading's
-            # running may be low).
+        beyond = min(waits) - excess
+        if beyond > 0:
+            # What the engine runs at most while it queues, and iop's share of the queue: the
+            # limit falls to the one or by the other, whichever moves it less (a stale
+            # reading's running may be low).
             running = max(r.running or 0 for r in window)
-            target = max(self.floor, running, self.limit - min(waits))
+            target = max(self.floor, running, self.limit - beyond)
             if target < self.limit:
                 return self._fall(now, target, f"engine queue {min(waits)} at {running} running")
             return None
+        if min(waits) > 0:
+            return None  # all of it iop's own excess
         if any(r.kv_usage is not None and r.kv_usage >= KV_FULL for r in window):
             return None
         # Proof that it runs the whole limit: a reading with all of it running and nothing

@@ -83,6 +83,36 @@ def test_load_iop_does_not_send_takes_its_share_not_the_limit() -> None:
     assert all(8 <= x <= 9 for x in limits[15:]), limits
 
 
+def home_queue_ticks(ctl: LimitController, clock: Clock, batch: int, past: int, ticks: int) -> list[int]:
+    """Ticks while iop keeps ``past`` requests beyond the limit there (hits in their home's
+    queue), no backlog in iop: the engine runs min(total, batch) and queues the rest."""
+    limits = []
+    for _ in range(ticks):
+        now = clock.step()
+        total = ctl.limit + past
+        ctl.note_in_flight(total)
+        read(ctl, now, min(total, batch), max(total - batch, 0))
+        ctl.tick(now, backlog=False, external=0)
+        limits.append(ctl.limit)
+    return limits
+
+
+def test_a_home_queue_is_no_knee_but_shows_demand() -> None:
+    clock = Clock()
+    # The engine queues just iop's four past the limit: the limit holds where it is.
+    ctl = LimitController.starting(1, 64, start=8)
+    assert home_queue_ticks(ctl, clock, batch=8, past=4, ticks=20) == [8] * 20
+    # The engine runs all of them: iop's requests past the limit were demand it could run.
+    ctl = LimitController.starting(1, 64, start=8)
+    limits = home_queue_ticks(ctl, clock, batch=12, past=4, ticks=30)
+    assert limits[-1] > 8, limits
+    # It slows to a batch of 5: a queue beyond iop's own four, and the limit falls to it.
+    ctl = LimitController.starting(1, 64, start=8)
+    limits = home_queue_ticks(ctl, clock, batch=5, past=4, ticks=6)
+    assert limits[-1] == 5, limits
+    assert ctl.reason.startswith("engine queue")
+
+
 def test_a_full_kv_cache_holds_the_limit() -> None:
     clock = Clock()
     ctl = LimitController.starting(1, 64, start=6)
