@@ -275,12 +275,16 @@ class _CatalogCollector(Collector):
             labels=["model", "result"])
         blocks = GaugeMetricFamily("iop_affinity_index_blocks", "Prompt blocks the model's prefix index remembers",
                                    labels=["model"])
+        home_queued = CounterMetricFamily(
+            "iop_affinity_home_queued", "Hits sent past their home's capacity, to wait in its engine's queue "
+            "(affinity.home_queue; counted among the hits too)", labels=["model"])
         for m in affine:
             assert m.affinity is not None
             for result, n in m.affinity.decisions.items():
                 decisions.add_metric([m.id, result], n)
             blocks.add_metric([m.id], m.affinity.index_blocks)
-        yield from (decisions, blocks)
+            home_queued.add_metric([m.id], m.affinity.home_queued)
+        yield from (decisions, blocks, home_queued)
 
     def _tenants(self) -> Iterator[Metric]:
         """Per tenant (flow control only): configured names, and each of them only for the

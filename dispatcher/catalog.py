@@ -157,6 +157,10 @@ class AffinityView(msgspec.Struct):
     # Decisions since Redis started: 'hit' (a provider holding the head, within the bound),
     # 'miss' (nobody holds it), 'spill' (its holders were over the bound).
     decisions: dict[str, int]
+    # A home takes its own prompts up to capacity x (1 + home_queue); the hits it took past
+    # its capacity, to wait in its engine's queue (a part of decisions['hit']).
+    home_queue: float = 0.0
+    home_queued: int = 0
 
 
 class ModelView(msgspec.Struct):
@@ -343,7 +347,8 @@ def _affinity_views(models: list[ModelConfig], blocks: list[int], stats: dict[st
     for model, size in zip(models, blocks, strict=True):
         decisions = {r: stats.get(f"{model.id}\t{r}", 0) for r in ("hit", "miss", "spill")}
         views[model.id] = AffinityView(model.affinity.mode, model.affinity.load_bound, size,
-                                       model.affinity.index_max_blocks, decisions)
+                                       model.affinity.index_max_blocks, decisions, model.affinity.home_queue,
+                                       stats.get(f"{model.id}\thome_queued", 0))
     return views
 
 

@@ -221,8 +221,10 @@ def affinity_text(a: dict[str, Any]) -> str:
     total = sum(decisions.values())
     share = f"{decisions['hit'] / total:.0%}" if total else "-"
     counts = ", ".join(f"{k} {n}" for k, n in decisions.items())
+    home = (f", home queue {a['home_queue']:g}x: {a.get('home_queued', 0)} past cap"
+            if a.get("home_queue") else "")
     return (f"affinity {a['mode']}: bound {a['load_bound']:g}, index {a['index_blocks']}/{a['index_max_blocks']} "
-            f"blocks, {counts} ({share} hits)")
+            f"blocks, {counts} ({share} hits){home}")
 
 
 def limits_text(t: dict[str, Any]) -> str:

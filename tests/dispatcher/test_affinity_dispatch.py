@@ -242,6 +242,12 @@ async def test_a_home_queues_its_own_prompts_past_its_capacity(any_redis: Redis)
     assert [(await h.record(j)).provider for j in (x5, z1, y3)] == [None, other, other]
     assert [(await h.assignment(j)).queued for j in (z1, y3)] == [False, True]
     assert await h.in_flight(other) == 3
+    # Operators see the setting and the hits that went past capacity (x3, x4, y3).
+    catalog = await read_catalog(any_redis, h.config)
+    view = next(m for m in catalog.models if m.id == "m").affinity
+    assert view is not None
+    assert (view.home_queue, view.home_queued) == (1.0, 3)
+    assert 'iop_affinity_home_queued_total{model="m"} 3.0' in RequestMetrics().render(catalog).decode()
 
 
 async def test_a_firm_provider_has_no_home_queue(any_redis: Redis) -> None:

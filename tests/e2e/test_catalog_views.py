@@ -535,7 +535,8 @@ def _cache_catalog() -> dict[str, Any]:
                 "available_slots": 2, "tenants": [], **extra}
 
     return {"server_time_ms": 1_800_000_000_000, "providers": providers,
-            "models": [model("pre", affinity=affinity("prefix", 1.25, 120, 10000, 30, 8, 2)),
+            "models": [model("pre", affinity={**affinity("prefix", 1.25, 120, 10000, 30, 8, 2), "home_queue": 1.0,
+                                              "home_queued": 4}),
                        model("ses", affinity=affinity("session", 2.0, 0, 200000, 0, 0, 0)),
                        model("plain", affinity=None), model("old")],
             "nodes": [{"id": "n1", "providers": ["warm", "cold", "older"]}], "tenants": []}
@@ -580,7 +581,10 @@ def test_ui_page_shows_cache_hit_rates_and_affinity(tmp_path: Path) -> None:
                             "ses": ("session", "2", "0/200000", "0", "0", "0", NONE)}
         cell = page.locator("[data-model=pre] [data-testid=affinity]").inner_text()
         assert " ".join(cell.split()) == (
-            "prefix · bound 1.25\u00d7 index 120/10000 blocks hit 30 · miss 8 · spill 2 (75% hits)")
+            "prefix · bound 1.25\u00d7 index 120/10000 blocks hit 30 · miss 8 · spill 2 (75% hits) "
+            "home queue 1\u00d7 · 4 past capacity")
+        # No home queue (an older iop, or home_queue 0): no line for it.
+        assert page.locator("[data-model=ses] [data-testid=affinity-home-queued]").count() == 0
         for off in ("plain", "old"):
             assert page.locator(f"[data-model={off}] [data-testid=affinity]").inner_text() == "off"
             assert page.locator(f"[data-model={off}] [data-testid=affinity-mode]").count() == 0

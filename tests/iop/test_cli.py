@@ -452,7 +452,7 @@ def test_catalog_table_shows_cache_hit_rates_and_model_affinity() -> None:
                                          cache_hit_rate=None))
     group = doc["models"][0]
     doc["models"] = [{**group, "id": "pre", "display_name": "Prefix",
-                      "affinity": _affinity("prefix", 1.25, 120, 30, 8, 2)},
+                      "affinity": {**_affinity("prefix", 1.25, 120, 30, 8, 2), "home_queue": 1.0, "home_queued": 5}},
                      {**group, "id": "ses", "display_name": "Session",
                       "affinity": _affinity("session", 2.0, 0, 0, 0, 0)},
                      {**group, "id": "plain", "display_name": "Plain", "affinity": None},
@@ -469,7 +469,8 @@ def test_catalog_table_shows_cache_hit_rates_and_model_affinity() -> None:
         """The line right under a model group's line."""
         return lines[next(i for i, line in enumerate(lines) if line.startswith(f"  {group_id} (")) + 1]
 
-    assert under("pre") == "    affinity prefix: bound 1.25, index 120/10000 blocks, hit 30, miss 8, spill 2 (75% hits)"
+    assert under("pre") == ("    affinity prefix: bound 1.25, index 120/10000 blocks, hit 30, miss 8, spill 2 "
+                            "(75% hits), home queue 1x: 5 past cap")
     # No decision yet: no hit share.
     assert under("ses") == "    affinity session: bound 2, index 0/10000 blocks, hit 0, miss 0, spill 0 (- hits)"
     # Affinity off (null) or unknown to the iop: straight to the candidates.
