@@ -21,13 +21,7 @@
 --!include lib/affine.lua
 --!include lib/look_ahead.lua
 --!include lib/remember.lua
---!include lib/provider_state.lua
-
--- Only a home's queue takes a job past capacity (lib/home_room.lua).
-local function has_slot(ctx, cand)
-  local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
-  return s.inf < s.cap
-end
+--!include lib/has_slot.lua
 
 local function route(ctx, job, lane, cand, looked)
   local qkey, now = queue_of(lane), ctx.now
