@@ -223,10 +223,13 @@ def engine_type(sim: SimConfig) -> str:
 
 
 def fleet_config(urls: Sequence[str], sims: Sequence[SimConfig], settings: Sequence[dict[str, Any]],
-                 affinity: dict[str, Any] | None, tenants: Sequence[str] = ()) -> dict[str, Any]:
+                 affinity: dict[str, Any] | None, tenants: Sequence[str] = (),
+                 queue: dict[str, Any] | None = None) -> dict[str, Any]:
     """prefix_fleet's iop config (one node, worker and provider per server) with each
-    provider's type and ``settings`` (its capacity fields), and named tenant keys."""
+    provider's type and ``settings`` (its capacity fields), named tenant keys, and ``queue``
+    merged over its queue section."""
     config = iop_config(urls, 1, affinity)
+    config["queue"] = {**config["queue"], **(queue or {})}
     for node, sim, extra in zip(config["nodes"], sims, settings, strict=True):
         node["providers"][0].update(type=engine_type(sim), **extra)
     if tenants:
@@ -262,8 +265,9 @@ def settings_for(name: str, sims: Sequence[SimConfig], generous: int, auto: dict
 class CapacityIop(Iop):
     def __init__(self, name: str, sims: Sequence[SimConfig], settings: list[dict[str, Any]],
                  affinity: dict[str, Any] | None = None, metrics_off: bool = False,
-                 tenants: Sequence[str] = ()) -> None:
+                 tenants: Sequence[str] = (), queue: dict[str, Any] | None = None) -> None:
         super().__init__(name, 0, affinity)
+        self.queue = queue or {}
         self.sims = list(sims)
         self.settings = settings
         self.metrics_off = metrics_off
@@ -274,9 +278,11 @@ class CapacityIop(Iop):
         else:
             what = f"`{json.dumps(settings[0])}`" + (", servers' metrics off (latency only)" if metrics_off else "")
         self.label = f"iop, {what}" + (", prefix affinity" if affinity else "")
+        if self.queue:
+            self.label += f", queue `{json.dumps(self.queue)}`"
 
     def config_for(self, urls: Sequence[str]) -> dict[str, Any]:
-        return fleet_config(urls, self.sims, self.settings, self.affinity, self.tenants)
+        return fleet_config(urls, self.sims, self.settings, self.affinity, self.tenants, self.queue)
 
     def skip_reason(self) -> str | None:
         fields = sorted({k for s in self.settings for k in s})
@@ -362,7 +368,8 @@ def make_target(name: str, sims: Sequence[SimConfig], args: argparse.Namespace, 
     if name == "sglang-router":
         return SglangRouter("sglang-router", 1, directory)
     settings = settings_for(name, sims, args.generous, args.auto_provider)
-    return CapacityIop(name, sims, settings, affinity, metrics_off=name == "iop-auto-latency", tenants=tenants)
+    return CapacityIop(name, sims, settings, affinity, metrics_off=name == "iop-auto-latency", tenants=tenants,
+                       queue=args.queue)
 
 
 # --------------------------------------------------------------------------- a run
@@ -1104,6 +1111,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds after the last arrival for the answers; then the rest are unanswered")
     parser.add_argument("--auto-provider", type=json.loads, default=AUTO_PROVIDER,
                         help="the provider fields of iop-auto and iop-auto-latency, as JSON")
+    parser.add_argument("--queue", type=json.loads, default={},
+                        help="JSON merged over the queue section every iop target gets (e.g. load shedding: "
+                             '\'{"refuse_predicted_over_ms": 1000}\')')
     parser.add_argument("--affinity", type=json.loads, default={},
                         help="shapes: JSON merged over the affinity section every iop target gets")
     parser.add_argument("--shapes", nargs="+", choices=[s.name for s in SHAPES], default=[s.name for s in SHAPES],

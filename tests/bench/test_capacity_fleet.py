@@ -133,6 +133,9 @@ def test_iop_configs_are_iops_own_and_carry_each_providers_settings() -> None:
     auto = cf.settings_for("iop-auto", cf.HETERO, 16, {"capacity": "auto", "max_capacity": 64})
     assert auto == [{"capacity": "auto", "max_capacity": 64}] * 3
     assert cf.fleet_config(urls, cf.HETERO, auto, None)["nodes"][2]["providers"][0]["max_capacity"] == 64
+    # --queue: merged over the queue section, which iop reads as such.
+    shed = cfg.parse(cf.fleet_config(urls, cf.HETERO, auto, None, queue={"refuse_predicted_over_ms": 1000})).config
+    assert (shed.queue.refuse_predicted_over_ms, shed.queue.max_queue) == (1000, 100_000)
 
 
 def test_a_target_iop_refuses_is_reported_with_iops_line() -> None:
