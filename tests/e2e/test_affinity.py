@@ -1,12 +1,13 @@
 """Cache-aware dispatch through real processes: three API processes that share nothing but
 Redis send each tenant's prompts to one provider (the one that served its head first),
 for chat, completions, Responses and Messages alike, and a drained home loses its tenants
-at once."""
+at once; a busy home takes its tenant's next prompt into its engine's queue (affinity.home_queue)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -86,3 +87,39 @@ def test_a_drained_home_loses_its_tenants_at_once(system: System) -> None:
     elsewhere = {served_by(system, APIS[1], "chat/completions", "z", f"q{i}") for i in range(3)}
     assert home not in elsewhere
     assert len(elsewhere) == 1  # a second home, kept
+
+
+@pytest.fixture
+def one_slot_system(tmp_path: Path, redis_server: RedisServer) -> Iterator[System]:
+    """Two providers of capacity 1 whose engines run one answer at a time and queue the rest
+    (``--parallel 1``), each answer taking 1.5 s: longer than affinity's max_wait_ms."""
+    sys_ = System(tmp_path, redis_server)
+    sys_.write_config({
+        "dispatch": fast_dispatch(lease_ms=5000),
+        "models": [{"id": "m", "providers": {p: "served" for p in ("q1", "q2")},
+                    "affinity": {"mode": "prefix", "home_queue": 1.0}}],
+        "nodes": [{"id": "n1", "providers": [
+            http_provider(p, "vllm", sys_.port(p), 1, ["served"]) for p in ("q1", "q2")]}],
+    })
+    try:
+        for p in ("q1", "q2"):
+            sys_.fake(p, "--tokens", "3", "--parallel", "1", "--delay-ms", "1500")
+        sys_.worker("n1")
+        sys_.api("api-1")
+        sys_.wait_available("q1", "q2")
+        yield sys_
+    finally:
+        sys_.close()
+
+
+def test_a_busy_home_queues_its_own_prompt_in_its_engine(one_slot_system: System) -> None:
+    """With its one slot taken, a home takes its tenant's next prompt past its capacity, into
+    its engine's queue; the other provider, idle, is not given it."""
+    system = one_slot_system
+    home = served_by(system, "api-1", "chat/completions", "x", "first")
+    with ThreadPoolExecutor(2) as pool:
+        served = list(pool.map(lambda q: served_by(system, "api-1", "chat/completions", "x", q), ["a", "b"]))
+    assert served == [home, home]
+    catalog = httpx.get(f"{system.api_url}/catalog", timeout=10).json()
+    affinity = next(m for m in catalog["models"] if m["id"] == "m")["affinity"]
+    assert (affinity["home_queue"], affinity["home_queued"]) == (1.0, 1)
