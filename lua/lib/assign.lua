@@ -2,7 +2,8 @@
 -- out of its queue, a fence, a lease, its provider's in_flight (in Redis and in the pump()
 -- call's view, `ctx`: lib/pump.lua), the clocks and counters of flow control
 -- (lib/dispatched.lua), the queue's drain rate if it waited (lib/drain_rate.lua), an entry
--- on its node's stream, and its record.
+-- on its node's stream (`queued` when it goes past capacity, a hit to its home's queue,
+-- also counted for the catalog), and its record.
 --!include lib/jobs.lua
 --!include lib/dispatch_plan.lua
 --!include lib/queue_of.lua
@@ -28,6 +29,9 @@ local function assign(ctx, job, rec, lane, cand)
   local s = provider_state(ctx, pkey)
   -- Past its capacity: a hit sent to wait in its home's queue (lib/home_room.lua).
   local queued = s.inf >= s.cap and 1 or 0
+  if queued == 1 and PLAN.affinity_stats ~= 0 then
+    redis.call('HINCRBY', KEYS[BASE + PLAN.affinity_stats], lane.model .. '\thome_queued', 1)
+  end
   redis.call('HINCRBY', pkey, 'in_flight', 1)
   s.inf = s.inf + 1
   redis.call('ZADD', LEASES, now + LEASE_MS, job)

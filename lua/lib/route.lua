@@ -59,11 +59,7 @@ local function route(ctx, job, lane, cand, looked)
     cand = chosen
     if decision ~= 'hit' and not has_slot(ctx, cand) then return 'full' end
     remember(lane, rec, cand.provider, held, now)
-    local stats = KEYS[BASE + PLAN.affinity_stats]
-    redis.call('HINCRBY', stats, lane.model .. '\t' .. decision, 1)
-    if decision == 'hit' and not has_slot(ctx, cand) then
-      redis.call('HINCRBY', stats, lane.model .. '\thome_queued', 1)  -- past capacity, to its home's queue
-    end
+    redis.call('HINCRBY', KEYS[BASE + PLAN.affinity_stats], lane.model .. '\t' .. decision, 1)
   elseif not has_slot(ctx, cand) then
     return 'full'
   end
