@@ -250,13 +250,18 @@ async def test_a_home_queues_its_own_prompts_past_its_capacity(any_redis: Redis)
     assert 'iop_affinity_home_queued_total{model="m"} 3.0' in RequestMetrics().render(catalog).decode()
 
 
-async def test_a_firm_provider_has_no_home_queue(any_redis: Redis) -> None:
-    """A provider a rate limit holds takes nothing new, not even into its home queue."""
+@pytest.mark.parametrize("firm", [
+    {"hold_until": str(10**13)},  # a rate limit holds it, for ages
+    {"ej_trial": "1", "ej_until": "0"},  # on trial after an ejection: one request at a time
+])
+async def test_a_firm_provider_has_no_home_queue(any_redis: Redis, firm: dict[str, str]) -> None:
+    """A provider a rate limit holds, or one on trial, takes nothing past its slots, not even
+    into its home queue."""
     h = await started(any_redis, affine_config({"a": 1, "b": 1}, load_bound=100, home_queue=1.0))
     x = TENANT_DOCS["a"]
     _, home = await h.send(chat(x, "x1"))
     assert home is not None
-    await any_redis.hset(keys.provider(home), "hold_until", str(10**13))  # held for ages
+    await any_redis.hset(keys.provider(home), mapping=firm)
     _, where = await h.send(chat(x, "x2"))
     assert where is None  # it waits for its home (max_wait_ms), which takes nothing new
 
