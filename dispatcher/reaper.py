@@ -76,8 +76,6 @@ class Reaper:
         self.redis = redis
         self.owner = owner
         self.rounds = 0
-        # Server ms before which a round does not judge providers by their heartbeats.
-        self._judge_providers_after = 0
         self._calls: Callable[[], ScriptCalls] = calls if callable(calls) else (lambda: calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
@@ -127,11 +125,10 @@ class Reaper:
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
         stats.rehomed = await self.rehome()
-        if gap_ms or new_server:
-            # Heartbeats could not be written across the gap either: a provider looks stale
-            # until its worker's next one, which must not answer its waiting jobs.
-            self._judge_providers_after = now + self.config.dispatch.heartbeat_ttl_ms
-        elif now >= self._judge_providers_after:
+        if now >= round_.judge_from_ms:
+            # Not sooner after a gap, whichever process saw it: heartbeats could not be
+            # written across it either, and a provider looks stale until its worker's next
+            # one, which must not answer its waiting jobs.
             stats.refused = await self.refuse_unavailable()
         if self.rounds % RECONCILE_EVERY == 0 or gap_ms or new_server:
             stats.corrected = await self.reconcile()

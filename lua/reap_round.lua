@@ -8,17 +8,23 @@
 -- every lease and replica expiry is moved to a full period from now: live processes renew
 -- within it, dead ones are reaped after it. A missing marker (first round ever, or a
 -- restored dataset) counts as a gap: the cost is one period of delay, once.
+-- Heartbeats could not land across the gap either: until a heartbeat TTL after it (`judge`,
+-- in the marker, so that the rounds other processes run next wait too) no round takes a
+-- silent worker for a dead one.
 --
 -- KEYS[1] leases zset     KEYS[2] replicas zset
--- KEYS[3] last-round marker hash: ms (server time of the last round), run (server run id)
+-- KEYS[3] last-round marker hash: ms (server time of the last round), run (server run id),
+--         judge (server ms from which heartbeats may be judged)
 -- ARGV[1] gap ms: a longer time since the last round means nobody was watching
 -- ARGV[2] lease ms        ARGV[3] replica TTL ms      ARGV[4] this server's run id
--- Returns {now ms, gap ms (0: no gap; -1: no marker), 1 if the server changed else 0}
+-- ARGV[5] heartbeat TTL ms
+-- Returns {now ms, gap ms (0: no gap; -1: no marker), 1 if the server changed else 0,
+--          judge ms}
 local LEASES, REPLICAS, SEEN = KEYS[1], KEYS[2], KEYS[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
-local v = redis.call('HMGET', SEEN, 'ms', 'run')
+local v = redis.call('HMGET', SEEN, 'ms', 'run', 'judge')
 local last = tonumber(v[1] or '')
 local changed = (v[2] and v[2] ~= ARGV[4]) and 1 or 0
 redis.call('HSET', SEEN, 'ms', now, 'run', ARGV[4])
@@ -36,5 +42,8 @@ if gap ~= 0 or changed == 1 then
   end
   extend(LEASES, now + tonumber(ARGV[2]))
   extend(REPLICAS, now + tonumber(ARGV[3]))
+  local judge = now + tonumber(ARGV[5])
+  redis.call('HSET', SEEN, 'judge', judge)
+  return {now, gap, changed, judge}
 end
-return {now, gap, changed}
+return {now, gap, changed, tonumber(v[3] or '') or 0}

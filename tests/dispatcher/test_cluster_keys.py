@@ -336,7 +336,9 @@ class Scenario:
         await self.redis.zadd(keys.REPLICAS, {"rep1": 1})
         self.note("reap replica", await self.reaper.reap_replicas(await self.reaper.now_ms()))
         assert await h.record(extra) is None or (await h.record(extra)).state == "c"
-        # A full reaper round too (lock, leases, replicas, orphans, reconcile, consumers).
+        # A full reaper round too (lock, leases, replicas, orphans, reconcile, consumers,
+        # refusals: the heartbeat TTL after the first round moved into the past).
+        await self.redis.hset(keys.REAPER_SEEN, "judge", 0)
         self.note("round", await self.reaper.run_once())
 
         # Drain: finish whatever still runs; nothing may be held afterwards.

@@ -233,6 +233,41 @@ async def test_a_new_server_refreshes_expiries_and_reconciles(h: Harness) -> Non
     assert await h.in_flight("a") == 1
 
 
+async def test_after_a_failover_no_reaper_judges_providers_by_heartbeats_for_a_ttl(any_redis: Redis) -> None:
+    """Every process runs reaper rounds, and the first after a failover is the one that sees
+    the new server. The next round, in another process, must not take the heartbeats that
+    could not land across the failover for dead workers (as a waiting request answered 503
+    no_provider_available would): the wait is the fleet's, kept in Redis, not the first
+    reaper's."""
+    h = Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    await h.submit("m")
+    waiting, status = await h.submit("m")
+    assert status == "queued"
+    first, second = reaper_of(h, "api-1"), reaper_of(h, "worker-n1")
+    assert await first.run_once() is not None
+    await h.redis.delete(keys.REAPER_LOCK)
+    assert await second.run_once() is not None
+    # A failover: the marker was written by the old master; across it no heartbeat landed.
+    await h.redis.hset(keys.REAPER_SEEN, "run", "the-old-master")
+    await h.redis.hset(keys.provider("a"), "hb_exp", 1)
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await first.run_once()
+    assert stats is not None
+    assert (stats.new_server, stats.refused) == (True, 0)
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await second.run_once()
+    assert stats is not None
+    assert (stats.new_server, stats.gap_ms, stats.refused) == (False, 0, 0)
+    assert await h.queued("m") == [waiting]
+    # A heartbeat TTL later (moved into the past, not waited for), a silent worker is dead.
+    await h.redis.hset(keys.REAPER_SEEN, "judge", 0)
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await second.run_once()
+    assert stats is not None
+    assert stats.refused == 1
+    assert await h.queued("m") == []
+
 async def test_a_provider_is_gone_when_a_reload_removed_it_or_its_worker_is_silent(h: Harness) -> None:
     # What decides whether a job pinned to a provider no lane serves is answered (rehome_queue).
     assert await gone(h.redis, "a")  # never heard of

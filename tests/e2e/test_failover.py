@@ -30,6 +30,7 @@ kill to the first 200, the latency bump, and the answers by status and code are 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
@@ -265,6 +266,7 @@ class Outcome:
     status: int | None = None
     code: str | None = None  # the error code of a failed answer; None for a complete 200
     problem: str | None = None  # not a proper HTTP answer at all
+    message: str = ""  # a refusal's words: why it was refused (in the timeline a failure prints)
     queue_ms: int | None = None  # x-iop-queue-ms: from its submit to its dispatch, as Redis measured
 
     @property
@@ -277,6 +279,12 @@ def error_code(text: str) -> str:
         return str(json.loads(text)["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return f"unparsed: {text[:200]!r}"
+
+
+def refusal(outcome: Outcome, text: str) -> None:
+    outcome.code = error_code(text)
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        outcome.message = str(json.loads(text)["error"]["message"])
 
 
 class Load:
@@ -365,7 +373,7 @@ def queue_ms(resp: httpx.Response) -> int | None:
 
 def judge_json(outcome: Outcome, text: str) -> None:
     if outcome.status != 200:
-        outcome.code = error_code(text)
+        refusal(outcome, text)
         return
     try:
         answer = json.loads(text)
@@ -379,7 +387,7 @@ def judge_json(outcome: Outcome, text: str) -> None:
 
 def judge_stream(outcome: Outcome, text: str) -> None:
     if outcome.status != 200:
-        outcome.code = error_code(text)
+        refusal(outcome, text)
         return
     outcome.problem, outcome.code = stream_problem(sse_payloads(text), TOKENS)
 
@@ -601,7 +609,7 @@ def run_outage(system: FailoverSystem, topology: Topology, record_property: Call
         record_property(name, value)
     timeline = "\n".join(
         f"  {o.marker:6} sent {o.started - killed_at:6.2f} answered {o.ended - killed_at:6.2f}: {o.status} "
-        f"{o.code or ''} {o.problem or ''} (ran {executions.get(o.marker, 0)}x)"
+        f"{o.code or ''} {o.problem or ''} (ran {executions.get(o.marker, 0)}x){' ' + o.message if o.message else ''}"
         for o in sorted(outcomes, key=lambda o: o.started))
     context = f"{json.dumps(summary, indent=1)}\nrequests (s after the kill):\n{timeline}\n{system.logs()}"
 
