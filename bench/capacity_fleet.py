@@ -13,7 +13,8 @@ settings. After the last arrival, requests have ``--drain`` seconds (20) to fini
 still unanswered then are cancelled and reported as *unanswered* (and count as not good).
 Goodput: requests of the measured window (after ``--warmup`` seconds) whose time to first
 token met the SLO (``--slo-ms``, 1 s), per second of the window. TTFT percentiles count a
-request that was never answered as ∞.
+request that was never answered as ∞. With ``IOP_BENCH_REASONS=1`` in the environment, every
+move of a learned limit the catalog samples saw is printed with its reason, as it happens.
 
 Targets (``--targets``; each scenario runs those of its own list that are asked for):
 
@@ -80,6 +81,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -417,19 +419,33 @@ class Measured:
         return next(iter(self.runs.values()))
 
 
-async def read_capacities(http: aiohttp.ClientSession, target: CapacityIop) -> dict[str, int]:
+async def read_capacities(http: aiohttp.ClientSession, target: CapacityIop,
+                          reasons: dict[str, str] | None = None) -> dict[str, int]:
     async with http.get(f"{target.urls[0]}/catalog", headers=target.catalog_headers(),
                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
         catalog = await resp.json()
+    if reasons is not None:
+        reasons.update({p["id"]: p.get("capacity_reason") or "" for p in catalog["providers"]})
     return {p["id"]: p["capacity"] for p in catalog["providers"]}
+
+
+# IOP_BENCH_REASONS=1: print every move of a learned limit the samples saw, with its reason
+# (the catalog keeps only the last one), to tell where a limit went and why.
+PRINT_REASONS = os.environ.get("IOP_BENCH_REASONS") == "1"
 
 
 async def watch(target: CapacityIop, interval: float, samples: Samples, t0: float) -> None:
     """Sample the providers' capacities from ``/catalog`` until cancelled."""
+    seen: dict[str, str] = {}
     async with aiohttp.ClientSession() as http:
         while True:
             try:
-                samples.append((time.perf_counter() - t0, await read_capacities(http, target)))
+                now: dict[str, str] = {}
+                samples.append((time.perf_counter() - t0, await read_capacities(http, target, now)))
+                for pid, why in now.items():
+                    if PRINT_REASONS and why and seen.get(pid) != why:
+                        print(f"  {time.perf_counter() - t0:6.1f} s {pid}: {why}", flush=True)
+                seen = now
             except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
                 print(f"  /catalog: {exc!r}", flush=True)
             await asyncio.sleep(interval)

@@ -12,7 +12,8 @@ engine runs without queueing:
   first: an engine that queues (``waiting`` > 0) is full at what it runs, so the limit falls
   to its ``running`` (all clients' requests: load iop does not send counts against iop's
   share, ``external``); an engine that queues nothing while iop fills every slot of its
-  share and has more waiting rises; a KV cache at least ``KV_FULL`` used holds it.
+  share and has more waiting rises; a KV cache at least ``KV_FULL`` used holds it, and no
+  rise goes more than a slot past what the KV holds at the use per request it reports.
 * **Latency**, everywhere, and alone when the engine says nothing (or its reading is older
   than ``STALE_S``): a request that waits in the engine shows it in its time to first token
   against its per-token time, ``ttft / tpot`` -- dimensionless, so a provider that slows
@@ -25,6 +26,10 @@ engine runs without queueing:
 The limit rises multiplicatively (x ``SLOW_START``) until the provider first shows a queue,
 then by one slot per tick (``TICK_S``), and after a fall it does not try above where it
 fell from for ``HOLD_S``: it settles on the knee, or one above it, rather than sawing.
+A try that fails again from the same level doubles that hold, up to ``HOLD_MAX_S``: each
+try sends one request into the engine's queue, where it waits a whole service time -- on a
+batch-2 server, half a request's time for every try -- so a knee found twice is tried
+seldom; a fall from any other level (the provider changed) starts the hold afresh.
 It never leaves ``[floor, ceiling]`` (the provider's ``min_capacity`` / ``max_capacity``).
 Rate-limit headers and 429s of hosted APIs are another matter (``RateLimits``): they pause
 or cap what iop sends for exactly as long as the upstream says.
@@ -51,6 +56,7 @@ STALE_S = 2.0  # an engine reading older than this says nothing
 KV_FULL = 0.92  # KV cache use at which the limit stops rising (preemption is near)
 SLOW_START = 1.5  # the multiplier of rises before the first queue
 HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
+HOLD_MAX_S = 40.0  # ... doubled by each fall from the same level, up to this
 QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
 EASED = 0.75  # after a fall, a gradient still this much of the one before: it was no queue
 FIRST_TOKEN_MARGIN = 1.5  # a first token this many times the unqueued p90 late: the call waits
@@ -98,6 +104,7 @@ class LimitController:
     # Set once the provider has shown a queue: rises are one slot at a time from then on.
     slow_start: bool = True
     _hold_until: float = 0.0
+    _hold_s: float = HOLD_S  # the hold the next fall sets
     _quiet_until: float = 0.0
     _last_clear: int = 0  # the last limit whose calls showed no queue (latency)
     _fell_at_gradient: float = 0.0  # the latency gradient a fall was made on, until calls ease
@@ -179,7 +186,7 @@ class LimitController:
         # Proof that it runs the whole limit: a reading with all of it running and nothing
         # queued (a request that waits a step elsewhere in the window does not disprove it).
         if saturated and any((r.waiting or 0) == 0 and (r.running or 0) >= self.limit for r in window):
-            return self._rise(now, "engine queue 0, every slot busy with more waiting")
+            return self._rise(now, "engine queue 0, every slot busy with more waiting", _kv_room(window))
         return None
 
     def _by_latency(self, now: float, saturated: bool) -> Change | None:
@@ -247,16 +254,23 @@ class LimitController:
         old = self.limit
         self.limit = max(self.floor, target)
         self.slow_start = False
+        # The same try failed again: the knee is where it was.
+        self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if old == self._fell_from else HOLD_S
         self._fell_from = old
-        self._hold_until = now + HOLD_S
+        self._hold_until = now + self._hold_s
         self.reason = f"{why}: {old} → {self.limit}"
         return Change(old, self.limit, self.reason)
 
-    def _rise(self, now: float, why: str) -> Change | None:
+    def _rise(self, now: float, why: str, kv_room: int | None = None) -> Change | None:
         if self.limit >= self.ceiling:
             return None
         step = max(1, math.ceil(self.limit * (SLOW_START - 1))) if self.slow_start else 1
         target = min(self.limit + step, self.ceiling)
+        if kv_room is not None and target > max(kv_room, self.limit + 1):
+            # Past what its KV holds the engine queues (or preempts): no more than a slot
+            # beyond that is worth a try, however fast slow start would go.
+            target = max(kv_room, self.limit + 1)
+            why = f"{why} (its KV holds about {kv_room})"
         if now < self._hold_until and target >= self._fell_from:
             target = self._fell_from - 1
         if target <= self.limit:
@@ -265,6 +279,14 @@ class LimitController:
         self.limit = target
         self.reason = f"{why}: {old} → {self.limit}"
         return Change(old, self.limit, self.reason)
+
+
+def _kv_room(window: list[EngineLoad]) -> int | None:
+    """How many requests the engine's KV holds under ``KV_FULL``, at the use per running
+    request its readings show (the least of them); None when they report no KV use."""
+    rooms = [math.floor(r.running * KV_FULL / r.kv_usage + 1e-9) for r in window
+             if r.kv_usage and r.kv_usage > 0 and r.running]
+    return min(rooms) if rooms else None
 
 
 def _quantile(values: deque[float], q: float) -> float:

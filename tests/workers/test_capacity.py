@@ -3,9 +3,12 @@ of latency, and of rate-limit answers, with time given by the test."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from workers.capacity import (
+    HOLD_MAX_S,
     HOLD_S,
     TICK_S,
     CallSample,
@@ -75,6 +78,34 @@ def test_it_follows_a_batch_that_shrinks_and_grows_again() -> None:
     assert 10 <= limits[-1] <= 11
 
 
+def tries(limits: list[int], knee: int) -> list[int]:
+    """The ticks at which the limit went above ``knee`` from it."""
+    return [i for i in range(1, len(limits)) if limits[i - 1] == knee < limits[i]]
+
+
+def test_a_knee_found_again_is_tried_ever_more_seldom_until_the_engine_changes() -> None:
+    """Each try above the knee sends a request into the engine's queue: from the same level
+    the hold after it doubles, up to HOLD_MAX_S; a fall from another level starts afresh."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    run_engine(ctl, clock, batch=2, ticks=20)  # slow start, and its first fall
+    limits = run_engine(ctl, clock, batch=2, ticks=int(4 * HOLD_MAX_S / TICK_S))
+    assert min(limits) == 2
+    at = tries(limits, 2)
+    gaps = [(b - a) * TICK_S for a, b in itertools.pairwise(at)]
+    assert len(at) >= 3, limits
+    assert all(later > earlier for earlier, later in itertools.pairwise(gaps) if earlier < HOLD_MAX_S), gaps
+    assert HOLD_MAX_S <= gaps[-1] <= HOLD_MAX_S + 2, gaps
+    # Without the doubling, a try every HOLD_S and the ticks of its fall.
+    assert len(at) < len(limits) * TICK_S / (2 * HOLD_S), at
+    # The engine's batch grows: found at the next try, then one slot per tick.
+    limits = run_engine(ctl, clock, batch=6, ticks=int((HOLD_MAX_S + 10) / TICK_S))
+    assert 6 <= limits[-1] <= 7, limits
+    # It shrinks: down at once, and the next try after HOLD_S, not after the doubled hold.
+    limits = run_engine(ctl, clock, batch=3, ticks=int(3 * HOLD_S / TICK_S))
+    assert 3 in limits[:4], limits
+    assert tries(limits, 3), limits
+
 def test_load_iop_does_not_send_takes_its_share_not_the_limit() -> None:
     clock = Clock()
     ctl = LimitController.starting(1, 64)
@@ -123,6 +154,35 @@ def test_a_full_kv_cache_holds_the_limit() -> None:
         ctl.tick(now, backlog=True, external=0)
     assert ctl.limit == 6
 
+
+def test_slow_start_goes_no_more_than_a_slot_past_what_the_kv_holds() -> None:
+    """An engine of a wide batch whose KV holds 10 requests (9.2 under KV_FULL): each running
+    request uses a tenth of it, and past 10 it queues. Slow start from 8 would try 12."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=8)
+    ctl.slow_start = True
+    per_request, holds = 0.1, 10
+    limits, reasons = [], []
+    for _ in range(20):
+        now = clock.step()
+        ctl.note_in_flight(ctl.limit)
+        running = min(ctl.limit, holds)
+        read(ctl, now, running, ctl.limit - running, kv=running * per_request)
+        ctl.tick(now, backlog=True, external=0)
+        limits.append(ctl.limit)
+        reasons.append(ctl.reason)
+    assert limits[0] == 9, limits
+    assert reasons[0] == "engine queue 0, every slot busy with more waiting (its KV holds about 9): 8 → 9"
+    assert max(limits) <= 10, limits
+    assert 9 <= limits[-1] <= 10, limits
+    # A KV far from full leaves slow start its pace.
+    ctl = LimitController.starting(1, 64, start=8)
+    ctl.slow_start = True
+    now = clock.step()
+    ctl.note_in_flight(8)
+    read(ctl, now, 8, 0, kv=0.2)
+    assert ctl.tick(now, backlog=True, external=0) is not None
+    assert ctl.limit == 12
 
 def test_no_backlog_no_rise() -> None:
     clock = Clock()
