@@ -54,7 +54,9 @@ What is modelled
   vLLM sets them from each step's scheduler stats, and the counters
   ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
   ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (of finished
-  requests). ``sglang`` (sglang/srt/metrics/collector.py; labels ``engine_type="unified"``,
+  requests); *waiting* is what the step's scheduling left waiting: a request that arrives
+  during a step is not counted before the next one schedules it (vLLM's engine core adds
+  new requests between steps). ``sglang`` (sglang/srt/metrics/collector.py; labels ``engine_type="unified"``,
   ``model_name``, ``pp_rank="0"``, ``tp_rank="0"``): ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:token_usage`` (0-1), ``sglang:num_used_tokens``,
   ``sglang:max_total_num_tokens``, refreshed only when SGLang logs its stats: when a prefill
@@ -351,6 +353,11 @@ class Scheduler:
         self.stats = Stats()
         self.gauges = Gauges(at=time.monotonic())
         self._decode_steps = 0
+        # What the last scheduling left waiting. Requests that arrive during a step are not
+        # the engine's until the next one: vLLM's engine core adds them to its scheduler
+        # between steps, SGLang's scheduler receives them at the top of its loop; neither
+        # counts them in the stats of the step they arrived during.
+        self._unscheduled = 0
         self._wake = asyncio.Event()
 
     def configure(self, changes: Any) -> SimConfig:
@@ -362,8 +369,8 @@ class Scheduler:
     def measure(self, running: int | None = None) -> None:
         """Refresh the gauges from the scheduler's state now (``running``: the count to report)."""
         held = self.kv.used - len(self.kv.lru)  # evictable cached blocks are free to both engines
-        self.gauges = Gauges(len(self.running) if running is None else running, len(self.waiting), held,
-                             time.monotonic())
+        self.gauges = Gauges(len(self.running) if running is None else running,
+                             min(len(self.waiting), self._unscheduled), held, time.monotonic())
 
     def current_gauges(self) -> Gauges:
         """The gauges a scrape sees now: SGLang's idle scheduler refreshes them only once
@@ -400,6 +407,7 @@ class Scheduler:
     def admit(self) -> None:
         before = len(self.running)
         self._admit()
+        self._unscheduled = len(self.waiting)
         if self.config.metrics == "sglang" and len(self.running) > before:
             # SGLang logs its stats when a prefill batch forms: the running batch before it joins.
             self.measure(running=before)

@@ -307,6 +307,23 @@ def test_vllm_gauges_follow_every_step() -> None:
     assert (s.gauges.running, s.gauges.waiting) == (1, 0)
 
 
+def test_a_request_that_arrives_during_a_step_is_not_waiting_in_its_stats() -> None:
+    """vLLM's engine core adds new requests to its scheduler between steps: one that arrives
+    while a step runs is in no queue of that step's stats, and the next step schedules it.
+    One the batch leaves out is waiting."""
+    s = Scheduler(SimConfig(**{**FAST.__dict__, "max_batch": 2, "metrics": "vllm"}))
+    s.submit(user_prompt("a", 6), 5)
+    s.admit()
+    chunks, decoding, _ = s.plan()
+    s.submit(user_prompt("b", 6), 5)  # during A's first step, with a slot free
+    s.apply(chunks, decoding, time.monotonic())
+    assert (s.gauges.running, s.gauges.waiting) == (1, 0)
+    step(s)  # B scheduled beside A
+    assert (s.gauges.running, s.gauges.waiting) == (2, 0)
+    s.submit(user_prompt("c", 6), 5)
+    step(s)  # the batch is full: C waits
+    assert (s.gauges.running, s.gauges.waiting) == (2, 1)
+
 def test_sglang_gauges_refresh_only_when_sglang_logs() -> None:
     s = Scheduler(SimConfig(**{**FAST.__dict__, "max_batch": 2, "metrics": "sglang", "kv_blocks": 256}))
     s.submit(user_prompt("a", 6), SGLANG_DECODE_LOG_INTERVAL + 5)
