@@ -27,9 +27,9 @@ The limit rises multiplicatively (x ``SLOW_START``) until the provider first sho
 then by one slot per tick (``TICK_S``), and after a fall it does not try above where it
 fell from for ``HOLD_S``: it settles on the knee, or one above it, rather than sawing.
 A try that fails again from the same level doubles that hold, up to ``HOLD_MAX_S``: each
-try sends one request into the engine's queue, where it waits a whole service time -- on a
-batch-2 server, half a request's time for every try -- so a knee found twice is tried
-seldom; a fall from any other level (the provider changed) starts the hold afresh.
+try sends one request into the engine's queue, where it waits for a slot to free (on a
+small batch, about a whole request's time), so a knee found twice is tried seldom; a fall
+from any other level (the provider changed) starts the hold afresh.
 It never leaves ``[floor, ceiling]`` (the provider's ``min_capacity`` / ``max_capacity``).
 Rate-limit headers and 429s of hosted APIs are another matter (``RateLimits``): they pause
 or cap what iop sends for exactly as long as the upstream says.
