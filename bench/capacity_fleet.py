@@ -21,6 +21,8 @@ Targets (``--targets``; each scenario runs those of its own list that are asked 
 * ``iop-batch``: iop (a private redis-server, one node and worker per server with one
   provider, one API process), each provider's ``capacity`` = its server's batch.
 * ``iop-4x``: capacity = 4x the batch; ``iop-16``: every capacity ``--generous`` (16).
+* ``iop-batch-blind``: capacity = batch with the servers' metrics off: iop as it was before
+  it read engines, seeing only its own requests (the baseline of *external*).
 * ``iop-auto``: every provider with ``AUTO_PROVIDER`` (``{"capacity": "auto"}``; the one place
   that names the provider fields of a learned capacity, ``--auto-provider`` JSON overrides it
   for a run); ``iop-auto-latency``: the same with the servers' metrics off (their
@@ -134,16 +136,18 @@ from tests.realservers.servers import RealServer, python_of, start_litellm, unav
 
 COMMAND: Final = "python -m bench.capacity_fleet"
 SCENARIOS: Final = ("hetero", "shapes", "external", "settling", "fairness", "cost")
-TARGETS: Final = ("iop-batch", "iop-4x", "iop-16", "iop-auto", "iop-auto-latency", "litellm", "rr", "sglang-router")
+TARGETS: Final = ("iop-batch", "iop-batch-blind", "iop-4x", "iop-16", "iop-auto", "iop-auto-latency", "litellm",
+                   "rr", "sglang-router")
 SCENARIO_TARGETS: Final[dict[str, tuple[str, ...]]] = {
     "hetero": ("iop-batch", "iop-16", "iop-auto", "iop-auto-latency", "litellm", "rr"),
     "shapes": ("iop-batch", "iop-4x", "iop-auto", "sglang-router"),
-    "external": ("iop-batch", "iop-16", "iop-auto"),
+    "external": ("iop-batch-blind", "iop-batch", "iop-16", "iop-auto"),
     "settling": ("iop-batch", "iop-auto", "iop-auto-latency"),
     "fairness": ("iop-batch", "iop-4x", "iop-auto"),
     "cost": ("iop-batch", "iop-auto"),
 }
-FIXED: Final = ("iop-batch", "iop-4x", "iop-16")
+FIXED: Final = ("iop-batch", "iop-batch-blind", "iop-4x", "iop-16")
+METRICS_OFF: Final = ("iop-batch-blind", "iop-auto-latency")  # the servers' /metrics answer 404
 DEFAULT_LOADS: Final[dict[str, tuple[float, ...]]] = {"hetero": (0.8, 1.0), "shapes": (0.5, 0.8, 1.0)}
 QUICK_LOADS: Final[dict[str, tuple[float, ...]]] = {"hetero": (1.0,), "shapes": (0.8,)}
 
@@ -255,7 +259,7 @@ class ConfiguredStack(FleetStack):
 
 def settings_for(name: str, sims: Sequence[SimConfig], generous: int, auto: dict[str, Any]) -> list[dict[str, Any]]:
     """The provider fields of iop target ``name``, per server."""
-    if name == "iop-batch":
+    if name in ("iop-batch", "iop-batch-blind"):
         return [{"capacity": s.max_batch} for s in sims]
     if name == "iop-4x":
         return [{"capacity": 4 * s.max_batch} for s in sims]
@@ -276,7 +280,10 @@ class CapacityIop(Iop):
         self.tenants = tuple(tenants)
         if name in FIXED:
             what = "capacity " + "/".join(str(s["capacity"]) for s in settings)
-            what += {"iop-batch": " (= batch)", "iop-4x": " (= 4x batch)"}.get(name, "")
+            what += {"iop-batch": " (= batch)", "iop-batch-blind": " (= batch)",
+                     "iop-4x": " (= 4x batch)"}.get(name, "")
+            if metrics_off:
+                what += ", servers' metrics off (iop sees only its own requests)"
         else:
             what = f"`{json.dumps(settings[0])}`" + (", servers' metrics off (latency only)" if metrics_off else "")
         self.label = f"iop, {what}" + (", prefix affinity" if affinity else "")
@@ -370,7 +377,7 @@ def make_target(name: str, sims: Sequence[SimConfig], args: argparse.Namespace, 
     if name == "sglang-router":
         return SglangRouter("sglang-router", 1, directory)
     settings = settings_for(name, sims, args.generous, args.auto_provider)
-    return CapacityIop(name, sims, settings, affinity, metrics_off=name == "iop-auto-latency", tenants=tenants,
+    return CapacityIop(name, sims, settings, affinity, metrics_off=name in METRICS_OFF, tenants=tenants,
                        queue=args.queue)
 
 
@@ -746,7 +753,7 @@ class Runner:
         iop_trace = self.trace(mine, a.seconds)
         other_trace = self.trace(other, a.seconds, seed="-external")
         print(f"\n## external: iop {mine:.2f} req/s, the other client {other:.2f} req/s to server 0", flush=True)
-        rows, p90 = [], {}
+        rows, p90, lost = [], {}, {}
         with Fleet(HETERO, self.dir) as fleet:
             for target, why in self.targets("external", HETERO):
                 if why is not None:
@@ -759,7 +766,8 @@ class Runner:
                     continue
                 r, o = m.runs["iop"], m.runs["other"]
                 t, to = ttfts_ms(r), ttfts_ms(o)
-                p90[target.name] = fmt_ms(t, 90)
+                p90[target.name] = percentile(t, 90)
+                lost[target.name] = unanswered(r) + errors(r)
                 rows.append([target.label, f"{r.goodput(slo):.2f}", fmt_ms(t, 50), fmt_ms(t, 90), fmt_ms(t, 99),
                              str(unanswered(r) + errors(r)), f"{fmt_ms(to, 50)} / {fmt_ms(to, 90)}",
                              str(unanswered(o) + errors(o)), limits(m, a.warmup), f"{r.late_steps() * 100:.1f}%"])
@@ -767,7 +775,7 @@ class Runner:
             ["target", f"iop's goodput req/s (TTFT ≤ {slo:g} s)", "iop TTFT p50 ms", "iop TTFT p90 ms",
              "iop TTFT p99 ms", "iop's lost (unanswered + errors)", "other client's TTFT p50 / p90 ms",
              "other client's lost", "limits at the end (window's range)", "late steps"], rows)
-        return Outcome(external_notes(a, rates, mine, other) + "\n" + external_goal(p90) + "\n" + table)
+        return Outcome(external_notes(a, rates, mine, other) + "\n" + external_goal(p90, lost) + "\n" + table)
 
     # ----- settling
 
@@ -937,12 +945,25 @@ def shape_goals(where: str, seen: dict[str, tuple[float, float]]) -> list[list[s
              f"{ref}" + (f"; sglang-router {router[0]:.2f} req/s" if router else "")]]
 
 
-def external_goal(p90: dict[str, str]) -> str:
+def external_goal(p90: dict[str, float], lost: dict[str, int]) -> str:
+    """Auto's p90 against each fixed setting's; the goal is judged against the blind one
+    (capacity = batch, iop seeing only its own requests: what it did before it read engines)."""
+    goal = "**Goal** (auto's TTFT p90 ≤ 0.7x the fixed capacities', nothing lost)"
+    others = ", ".join(f"{n} {fmt_p(v)} ms" for n, v in p90.items() if n != "iop-auto")
     if "iop-auto" not in p90:
-        return ("**Goal** (auto's TTFT p90 ≤ 0.7x the fixed capacities', nothing lost): not measured; fixed: "
-                + (", ".join(f"{n} p90 {v} ms" for n, v in p90.items()) or "-") + ".\n")
-    return ("**Goal** (auto's TTFT p90 ≤ 0.7x the fixed capacities', nothing lost): auto p90 " + p90["iop-auto"]
-            + " ms against " + ", ".join(f"{n} {v} ms" for n, v in p90.items() if n != "iop-auto") + ".\n")
+        return f"{goal}: not measured; fixed: {others or '-'}.\n"
+    auto = p90["iop-auto"]
+    ratios = "; ".join(f"{auto / v:.2f}x {n}'s" for n, v in p90.items() if n != "iop-auto" and v > 0)
+    verdict = ""
+    if "iop-batch-blind" in p90 and p90["iop-batch-blind"] > 0:
+        ok = auto <= 0.7 * p90["iop-batch-blind"] and lost.get("iop-auto", 1) == 0
+        verdict = f"**{'met' if ok else 'missed'}** against the blind fixed capacities (iop-batch-blind); "
+    return (f"{goal}: {verdict}auto p90 {fmt_p(auto)} ms against {others} ({ratios}); "
+            f"auto lost {lost.get('iop-auto')}.\n")
+
+
+def fmt_p(ms: float) -> str:
+    return "-" if math.isnan(ms) else "∞" if math.isinf(ms) else f"{ms:,.0f}"
 
 
 def settling_row(m: Measured, change_at: float, slo_s: float) -> list[str]:

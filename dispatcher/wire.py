@@ -279,9 +279,10 @@ def _num(raw: str | None) -> float | None:
 class ProviderHealth(msgspec.Struct, frozen=True):
     """Whether a provider can take work, as its hash holds it: its worker's heartbeat
     (``lua/heartbeat.lua``: health, reason, hb_ms, hb_exp; ``removed`` when a reload took
-    it out of the config), its limit in force (``lua/capacity.lua``) and an operator's drain
-    mark (``lua/drain.lua``). :func:`provider_health` reads it; :meth:`reasons` is
-    ``lua/lib/unavailable_reason.lua``'s rule."""
+    it out of the config; ``leaving`` while its worker drains after a SIGTERM), its limit in
+    force (``lua/capacity.lua``) and an operator's drain mark (``lua/drain.lua``).
+    :func:`provider_health` reads it; :meth:`reasons` is ``lua/lib/unavailable_reason.lua``'s
+    rule."""
 
     health: str | None
     reason: str
@@ -290,6 +291,7 @@ class ProviderHealth(msgspec.Struct, frozen=True):
     capacity: float | None
     drain: str
     removed: bool
+    leaving: bool
 
     def silent(self, now_ms: int) -> bool:
         """Its worker says nothing: never heard of, or its heartbeat is past its TTL."""
@@ -297,14 +299,20 @@ class ProviderHealth(msgspec.Struct, frozen=True):
 
     def reasons(self, now_ms: int) -> list[tuple[str, str]]:
         """Every reason it cannot take work, as (kind, words), in the order
-        ``unavailable_reason`` tries them: ``removed``, then ``never_seen`` or ``stale``
-        (its worker is silent), ``unavailable`` (the probe's word), ``drained``,
-        ``capacity``. Empty: it can."""
+        ``unavailable_reason`` tries them: ``removed``, then ``never_seen``, ``leaving`` or
+        ``stale`` (its worker is silent, or leaving), ``unavailable`` (the probe's word),
+        ``drained``, ``capacity``. Empty: it can."""
         found: list[tuple[str, str]] = []
         if self.removed:
             found.append(("removed", "removed from the config by a reload"))
         if self.hb_ms is None:
             found.append(("never_seen", "never seen: no heartbeat from its worker yet"))
+        elif self.leaving:
+            ago = (now_ms - (self.hb_ms or 0)) / 1000
+            found.append(("leaving", f"its worker left {ago:.1f}s ago and no other worker of its node took it over"
+                          if self.silent(now_ms) else
+                          f"its worker is leaving (since {ago:.1f}s): another worker of its node takes it over "
+                          "with its next heartbeat"))
         elif self.silent(now_ms):
             found.append(("stale", f"stale heartbeat: last one {(now_ms - (self.hb_ms or 0)) / 1000:.1f}s ago"))
         if self.health != "available":
@@ -317,18 +325,20 @@ class ProviderHealth(msgspec.Struct, frozen=True):
 
     def unavailable_reason(self, now_ms: int, silent_is_down: bool) -> str | None:
         """``lua/lib/unavailable_reason.lua``: why it cannot take work ('' when it can; None
-        when it cannot but may be about to: removed by a reload, or silent while
-        ``silent_is_down`` is False)."""
+        when it cannot but may be about to: removed by a reload, silent while
+        ``silent_is_down`` is False, or its worker leaving within its heartbeat's TTL)."""
         found = self.reasons(now_ms)
         if not found:
             return ""
         kind, words = found[0]
-        if kind == "removed" or (kind in ("never_seen", "stale") and not silent_is_down):
+        if kind == "removed" or (kind in ("never_seen", "stale", "leaving") and not silent_is_down):
+            return None
+        if kind == "leaving" and not self.silent(now_ms):
             return None
         return words
 
 
-PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed")
+PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed", "leaving")
 
 
 def provider_health(fields: dict[str, str]) -> ProviderHealth:
@@ -337,7 +347,8 @@ def provider_health(fields: dict[str, str]) -> ProviderHealth:
     return ProviderHealth(
         health=fields.get("health"), reason=fields.get("reason", ""),
         hb_ms=None if hb_ms is None else _num(hb_ms) or 0.0, hb_exp=_num(fields.get("hb_exp")),
-        capacity=_num(fields.get("capacity")), drain=fields.get("drain", ""), removed=bool(fields.get("removed")))
+        capacity=_num(fields.get("capacity")), drain=fields.get("drain", ""), removed=bool(fields.get("removed")),
+        leaving=bool(fields.get("leaving")))
 
 
 TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket

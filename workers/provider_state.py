@@ -223,5 +223,6 @@ class ProviderState:
             ("slots", result.slots if result.slots is not None else ""),
             ("worker", self._worker_id),
             ("removed", ""),  # in the config again, if a reload had removed it
+            ("leaving", ""),  # taken over, if another worker of the node was leaving
         ]
         await self._side.heartbeat(provider_id, "available" if result.healthy else "unavailable", fields)

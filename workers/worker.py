@@ -164,11 +164,14 @@ class Worker:
         period (``dispatch.drain_grace_s``), then abort them (they go back to their queue
         unless their output had started)."""
         # No new work for this node's providers from this worker; another live worker of the
-        # node puts them back within one heartbeat.
+        # node puts them back within one heartbeat. Until this heartbeat's TTL passes, a
+        # request for them waits rather than being refused (`leaving`:
+        # lua/lib/unavailable_reason.lua): a rolling restart refuses nobody.
         with anyio.CancelScope(shield=True):
             for provider in self.runtime.node.providers:
                 try:
-                    await self.side.heartbeat(provider.id, "unavailable", [("reason", "worker draining")])
+                    await self.side.heartbeat(provider.id, "unavailable", [("reason", "worker draining"),
+                                                                           ("leaving", 1)])
                 except RedisError as exc:
                     log.warning("could not mark %s draining: %s", provider.id, exc)
             # Jobs dispatched here before the mark took effect go back to their queue now,

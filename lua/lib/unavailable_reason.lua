@@ -3,16 +3,24 @@
 -- catalog's health), held to it by tests/dispatcher/test_wire.py. A provider whose worker is
 -- silent (never heard of, or a heartbeat past its TTL) counts as down only when
 -- `silent_is_down`: a reaper round says so, which knows whether Redis itself was away (no
--- heartbeat could land then); a submit or a heartbeat does not.
+-- heartbeat could land then); a submit or a heartbeat does not. A provider whose worker is
+-- leaving (SIGTERM: workers/worker.py marks it `leaving`) is treated as that worker's silence
+-- until its heartbeat's TTL: another worker of the node (a rolling restart) takes it over with
+-- its next heartbeat, and nobody is refused in between.
 
 local function unavailable_reason(pkey, now, silent_is_down)
-  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed')
+  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed', 'leaving')
   -- A reload removed it: processes not yet reloaded may still name it as a lane's only
   -- provider, while in the new config other providers serve that key (or reaper rounds
   -- move its jobs there). Not a reason to refuse.
   if (v[7] or '') ~= '' then return nil end
   if not v[5] then
     return silent_is_down and 'never seen: no heartbeat from its worker yet' or nil
+  end
+  if (v[8] or '') ~= '' then
+    if (tonumber(v[2]) or 0) >= now or not silent_is_down then return nil end
+    return string.format('its worker left %.1fs ago and no other worker of its node took it over',
+      (now - (tonumber(v[5]) or 0)) / 1000)
   end
   if (tonumber(v[2]) or 0) < now then
     if not silent_is_down then return nil end

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -95,6 +96,27 @@ def test_shape_verdicts_want_the_better_fixed_on_both_and_the_router_on_goodput(
     assert cf.shape_goals("s", {**fixed, "iop-auto": (11.5, 0.6), "sglang-router": (12.0, 0.7)})[0][2].startswith(
         "**missed**")
     assert cf.shape_goals("s", fixed)[0][2].startswith("not measured")
+
+
+def test_the_external_goal_is_judged_against_the_blind_fixed_capacities() -> None:
+    p90 = {"iop-batch-blind": 2000.0, "iop-batch": 900.0, "iop-auto": 1000.0}
+    met = cf.external_goal(p90, {"iop-auto": 0})
+    assert "**met** against the blind fixed capacities" in met
+    assert "0.50x iop-batch-blind's" in met
+    assert "1.11x iop-batch's" in met
+    assert "**missed**" in cf.external_goal(p90, {"iop-auto": 2})  # it lost requests
+    assert "**missed**" in cf.external_goal({**p90, "iop-auto": 1500.0}, {"iop-auto": 0})
+    assert cf.external_goal({"iop-batch": 900.0}, {}).startswith("**Goal** (auto's TTFT p90 ≤ 0.7x the fixed "
+                                                                  "capacities', nothing lost): not measured")
+
+
+def test_the_blind_baseline_is_capacity_batch_with_the_servers_metrics_off() -> None:
+    target = cf.make_target("iop-batch-blind", cf.HETERO, cf.parse_args([]), Path("/tmp"))
+    assert isinstance(target, cf.CapacityIop)
+    assert target.metrics_off
+    assert target.settings == [{"capacity": s.max_batch} for s in cf.HETERO]
+    assert "servers' metrics off" in target.label
+    assert not cf.make_target("iop-batch", cf.HETERO, cf.parse_args([]), Path("/tmp")).metrics_off  # type: ignore[attr-defined]
 
 
 def test_a_limit_is_read_for_when_it_moved_and_settled() -> None:

@@ -79,6 +79,39 @@ async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> No
     assert "a: stale heartbeat: last one" in refused.message
 
 
+async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provider_over(harness: Any) -> None:
+    # A rolling restart: the old worker drains (SIGTERM: workers/worker.py marks its providers
+    # unavailable and `leaving`), the new one heartbeats them at its next beat.
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    await h.submit("m")
+    waiting, _ = await h.submit("m")
+    await h.node.heartbeat("a", "unavailable", [("reason", "worker draining"), ("leaving", 1)])
+    arrived, status = await h.submit("m")
+    assert status == "queued"  # not refused: another worker of the node may be about to take it
+    assert await h.calls.refuse() == 0  # nor by a reaper round, within the leaving beat's TTL
+    assert await answers(h) == {}
+    # The other worker's heartbeat takes the provider over and clears the mark.
+    await h.node.heartbeat("a", "available", [("capacity", 2), ("node", "n1"), ("leaving", "")])
+    assert (await h.assignment(waiting)).provider == "a"
+    assert await h.queued("m") == [arrived]  # a's second slot is taken; it waits its turn
+
+
+async def test_a_leaving_worker_nobody_takes_over_refuses_after_its_heartbeat_ttl(harness: Any) -> None:
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    await h.submit("m")
+    waiting, _ = await h.submit("m")
+    await h.node.heartbeat("a", "unavailable", [("reason", "worker draining"), ("leaving", 1)])
+    assert await h.calls.refuse() == 0
+    await h.redis.hset(keys.provider("a"), "hb_exp", 1)  # its TTL passed with no other worker's beat
+    assert await h.calls.refuse() == 1
+    refused = (await answers(h))[waiting]
+    assert refused.code == "no_provider_available"
+    assert "a: its worker left" in refused.message
+    assert "no other worker of its node took it over" in refused.message
+
+
 async def test_a_held_job_is_answered_only_after_the_hold(harness: Any) -> None:
     # A hold far longer than the test, so that "not refused yet" cannot race a loaded
     # machine; its end is then moved into the past rather than waited for.

@@ -123,6 +123,12 @@ PROVIDER_HASHES = {
                        "hb_exp": str(NOW - 58_000), "capacity": "2"},
     "removed mark cleared": {"health": "available", "removed": "", "hb_ms": str(NOW), "hb_exp": str(NOW + 2000),
                              "capacity": "2"},
+    "leaving": {"health": "unavailable", "reason": "worker draining", "leaving": "1", "hb_ms": str(NOW - 300),
+                "hb_exp": str(NOW + 700), "capacity": "2"},
+    "leaving, past its TTL": {"health": "unavailable", "reason": "worker draining", "leaving": "1",
+                              "hb_ms": str(NOW - 9_000), "hb_exp": str(NOW - 1), "capacity": "2"},
+    "leaving mark cleared": {"health": "available", "leaving": "", "hb_ms": str(NOW), "hb_exp": str(NOW + 2000),
+                             "capacity": "2"},
     "ejected": {"health": "available", "hb_ms": str(NOW), "hb_exp": str(NOW + 2000), "capacity": "2",
                 "ej_until": str(NOW + 30_000), "ej_trial": "1"},
 }

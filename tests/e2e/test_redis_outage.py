@@ -291,12 +291,14 @@ def test_hang_up_at_the_end_of_an_outage_aborts_the_provider_call(
             time.sleep(outage_s / 2)
             sock.close()
             time.sleep(outage_s / 2)
+            # Read before Redis is back: from then on the hang-up may (and should) end the call.
+            survived = fake.stats()
             system.redis_server.start()
             system.redis.close()
             system.redis = Redis.from_url(system.redis_server.url)
         else:
             redis_outage(system, outage_s)
-        survived = fake.stats()
+            survived = fake.stats()
     finally:
         sock.close()  # the moment Redis answers again (if still open)
     # The call went on through the outage: only the hang-up can end it now.
