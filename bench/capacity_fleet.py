@@ -678,7 +678,7 @@ class Runner:
                 trace = self.trace(load * nominal, a.seconds)
                 heading = f"{load:.0%} of nominal capacity: {load * nominal:.2f} req/s, {len(trace):,} requests"
                 print(f"\n## hetero, {heading}", flush=True)
-                rows, goodput, lost = [], {}, {}
+                rows, goodput, lost, refused = [], {}, {}, {}
                 for target, why in targets:
                     if why is not None:
                         rows.append(skipped_row(target.label, why, 12))
@@ -688,7 +688,8 @@ class Runner:
                         continue
                     r = m.main
                     goodput[target.name] = r.goodput(slo)
-                    lost[target.name] = unanswered(r) + errors(r)
+                    lost[target.name] = unanswered(r)
+                    refused[target.name] = errors(r)
                     t = ttfts_ms(r)
                     rows.append([target.label, f"{len(r.measured()):,}", f"{goodput[target.name]:.2f}",
                                  fmt_ms(t, 50), fmt_ms(t, 90), fmt_ms(t, 99), str(unanswered(r)), str(errors(r)),
@@ -698,7 +699,7 @@ class Runner:
                     ["target", "requests", f"goodput req/s (TTFT ≤ {slo:g} s)", "TTFT p50 ms", "TTFT p90 ms",
                      "TTFT p99 ms", "unanswered", "errors", "finished per server", "limits at the end (window's range)",
                      "gateway CPU", "late steps"], rows))
-                goals += hetero_goals(load, goodput, lost)
+                goals += hetero_goals(load, goodput, lost, refused)
         out.insert(1, "**Against issue 30's goals.**\n\n" + markdown_table(["load", "goal", "result"], goals))
         return Outcome("\n".join(out))
 
@@ -906,7 +907,15 @@ def ratio_text(values: list[float], base: list[float]) -> str:
 # --------------------------------------------------------------------------- goals and notes
 
 
-def hetero_goals(load: float, goodput: dict[str, float], lost: dict[str, int]) -> list[list[str]]:
+def hetero_goals(load: float, goodput: dict[str, float], lost: dict[str, int],
+                 refused: dict[str, int] | None = None) -> list[list[str]]:
+    """The verdicts at one load. ``lost``: requests left unanswered (what the goal forbids);
+    ``refused``: answered with an error (a refusal, when iop sheds load: an answer)."""
+    refused = refused or {}
+
+    def said(name: str) -> str:
+        return f"lost {lost[name]}" + (f", refused {refused[name]}" if refused.get(name) else "")
+
     rows = []
     best = best_fixed(goodput)
     ref = f"the best fixed setting, {best[0]}: {best[1]:.2f} req/s" if best else "no fixed setting measured"
@@ -921,9 +930,9 @@ def hetero_goals(load: float, goodput: dict[str, float], lost: dict[str, int]) -
             ratio = goodput[name] / best[1]
             ok = ratio >= share and (name != "iop-auto" or lost[name] == 0)
             rows.append([f"{load:.0%}", goal, f"**{'met' if ok else 'missed'}**: {goodput[name]:.2f} req/s, "
-                         f"{ratio:.0%} of {ref}; lost {lost[name]}"])
-    fixed = ", ".join(f"{n} {g:.2f} (lost {lost[n]})" for n, g in goodput.items() if n in FIXED)
-    others = ", ".join(f"{n} {g:.2f} (lost {lost[n]})" for n, g in goodput.items() if n not in FIXED)
+                         f"{ratio:.0%} of {ref}; {said(name)}"])
+    fixed = ", ".join(f"{n} {g:.2f} ({said(n)})" for n, g in goodput.items() if n in FIXED)
+    others = ", ".join(f"{n} {g:.2f} ({said(n)})" for n, g in goodput.items() if n not in FIXED)
     rows.append([f"{load:.0%}", "for reference", f"fixed: {fixed or '-'}; others: {others or '-'}"])
     return rows
 

@@ -29,7 +29,10 @@ fell from for ``HOLD_S``: it settles on the knee, or one above it, rather than s
 A try that fails again from the same level doubles that hold, up to ``HOLD_MAX_S``: each
 try sends one request into the engine's queue, where it waits for a slot to free (on a
 small batch, about a whole request's time), so a knee found twice is tried seldom; a fall
-from any other level (the provider changed) starts the hold afresh.
+from any other level (the provider changed) starts the hold afresh. A knee where the engine
+queued with its KV cache holding room for another request is its batch cap (``max_num_seqs``,
+``--parallel``), which moves only when the engine restarts with another: found there a
+second time, it is not tried again for ``HOLD_CAP_S``.
 It never leaves ``[floor, ceiling]`` (the provider's ``min_capacity`` / ``max_capacity``).
 Rate-limit headers and 429s of hosted APIs are another matter (``RateLimits``): they pause
 or cap what iop sends for exactly as long as the upstream says.
@@ -57,6 +60,7 @@ KV_FULL = 0.92  # KV cache use at which the limit stops rising (preemption is ne
 SLOW_START = 1.5  # the multiplier of rises before the first queue
 HOLD_S = 5.0  # after a fall, no rise above the level it fell from for this long
 HOLD_MAX_S = 40.0  # ... doubled by each fall from the same level, up to this
+HOLD_CAP_S = 300.0  # ... and this long after a batch cap (a queue with KV to spare) is found twice
 QUEUE_FACTOR = 2.0  # ttft/tpot this many times its unqueued level: requests queue in the engine
 EASED = 0.75  # after a fall, a gradient still this much of the one before: it was no queue
 FIRST_TOKEN_MARGIN = 1.5  # a first token this many times the unqueued p90 late: the call waits
@@ -109,6 +113,7 @@ class LimitController:
     _last_clear: int = 0  # the last limit whose calls showed no queue (latency)
     _fell_at_gradient: float = 0.0  # the latency gradient a fall was made on, until calls ease
     _fell_from: int = 0
+    _cap_knee: int = 0  # where the engine last queued with KV room to spare: its batch cap
     _peak_in_flight: int = 0
     _last_tick: float = 0.0
     _window: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -177,7 +182,12 @@ class LimitController:
             running = max(r.running or 0 for r in window)
             target = max(self.floor, running, self.limit - beyond)
             if target < self.limit:
-                return self._fall(now, target, f"engine queue {min(waits)} at {running} running")
+                # Its KV had room for another at the use per request it reports, and it did
+                # not run one: what stopped it is its batch cap, not memory.
+                free = _kv_free_for(window)
+                capped = free is not None and free >= 1 and target == running
+                return self._fall(now, target, f"engine queue {min(waits)} at {running} running"
+                                  + (f" (its KV had room for {free} more: a batch cap)" if capped else ""), capped)
             return None
         if min(waits) > 0:
             return None  # all of it iop's own excess
@@ -250,12 +260,16 @@ class LimitController:
             if signal is not None:
                 (self._window if c.ttft_s is not None else self._window_json).append(signal)
 
-    def _fall(self, now: float, target: int, why: str) -> Change:
+    def _fall(self, now: float, target: int, why: str, capped: bool = False) -> Change:
         old = self.limit
         self.limit = max(self.floor, target)
         self.slow_start = False
         # The same try failed again: the knee is where it was.
         self._hold_s = min(2 * self._hold_s, HOLD_MAX_S) if old == self._fell_from else HOLD_S
+        if capped and self.limit == self._cap_knee:
+            # The batch cap found again: it moves only with a restart of the engine.
+            self._hold_s = HOLD_CAP_S
+        self._cap_knee = self.limit if capped else 0
         self._fell_from = old
         self._hold_until = now + self._hold_s
         self.reason = f"{why}: {old} → {self.limit}"
@@ -287,6 +301,14 @@ def _kv_room(window: list[EngineLoad]) -> int | None:
     rooms = [math.floor(r.running * KV_FULL / r.kv_usage + 1e-9) for r in window
              if r.kv_usage and r.kv_usage > 0 and r.running]
     return min(rooms) if rooms else None
+
+
+def _kv_free_for(window: list[EngineLoad]) -> int | None:
+    """How many more requests the engine's KV held, at the use per running request its
+    readings show (the least of them, at the fullest reading); None without KV use."""
+    frees = [math.floor(r.running / r.kv_usage + 1e-9) - r.running for r in window
+             if r.kv_usage and r.kv_usage > 0 and r.running]
+    return min(frees) if frees else None
 
 
 def _quantile(values: deque[float], q: float) -> float:

@@ -84,6 +84,9 @@ def test_the_best_fixed_setting_and_the_hetero_verdicts() -> None:
     assert rows[1][2].startswith("**missed**: 2.20 req/s, 88%")
     lost = cf.hetero_goals(1.0, goodput, {**{name: 0 for name in goodput}, "iop-auto": 3})
     assert lost[0][2].startswith("**missed**")  # ahead on goodput, but it left requests unanswered
+    shed = cf.hetero_goals(1.0, goodput, {name: 0 for name in goodput}, {"iop-auto": 12})
+    assert shed[0][2].startswith("**met**")  # a refusal is an answer: nothing left unanswered
+    assert shed[0][2].endswith("lost 0, refused 12")
     absent = cf.hetero_goals(0.8, {"iop-batch": 2.0}, {"iop-batch": 0})
     assert absent[0][2] == "not measured (the best fixed setting, iop-batch: 2.00 req/s)"
 

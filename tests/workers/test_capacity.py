@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from workers.capacity import (
+    HOLD_CAP_S,
     HOLD_MAX_S,
     HOLD_S,
     TICK_S,
@@ -40,16 +41,20 @@ def read(ctl: LimitController, now: float, running: int, waiting: int, kv: float
         ctl.note_engine(engine(running, waiting, kv, at=at))
 
 
-def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, external: int = 0) -> list[int]:
+def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, external: int = 0,
+               kv_per_request: float | None = None) -> list[int]:
     """Ticks against an engine of ``batch`` slots that iop keeps full (a backlog waits):
-    it runs min(total, batch) and queues the rest; the limits after each tick."""
+    it runs min(total, batch) and queues the rest; the limits after each tick. With
+    ``kv_per_request``, it reports that much KV use per running request."""
     limits = []
     for _ in range(ticks):
         now = clock.step()
         own = ctl.limit - external  # iop fills its share
         total = own + external
         ctl.note_in_flight(own)
-        read(ctl, now, min(total, batch), max(total - batch, 0))
+        running = min(total, batch)
+        read(ctl, now, running, max(total - batch, 0),
+             None if kv_per_request is None else running * kv_per_request)
         ctl.tick(now, backlog=True, external=external)
         limits.append(ctl.limit)
     return limits
@@ -105,6 +110,40 @@ def test_a_knee_found_again_is_tried_ever_more_seldom_until_the_engine_changes()
     limits = run_engine(ctl, clock, batch=3, ticks=int(3 * HOLD_S / TICK_S))
     assert 3 in limits[:4], limits
     assert tries(limits, 3), limits
+
+def test_a_batch_cap_found_twice_is_not_tried_again_for_a_long_while() -> None:
+    """The engine queues with KV room for many more: its batch cap, which moves only with a
+    restart. Found a second time, the next try waits HOLD_CAP_S, not the doubling hold."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    run_engine(ctl, clock, batch=8, ticks=int(2 * HOLD_S / TICK_S), kv_per_request=0.03)
+    limits = run_engine(ctl, clock, batch=8, ticks=int((HOLD_CAP_S - 3 * HOLD_S) / TICK_S), kv_per_request=0.03)
+    assert "a batch cap" in ctl.reason
+    assert len(tries(limits, 8)) <= 1, tries(limits, 8)  # the doubling hold alone would try 5 times
+    assert all(x <= 9 for x in limits), limits
+    limits = run_engine(ctl, clock, batch=8, ticks=int(4 * HOLD_S / TICK_S), kv_per_request=0.03)
+    assert tries(limits, 8), limits  # tried again once the long hold is over
+    # The engine restarts with a smaller batch: followed at once (a fall is never held).
+    limits = run_engine(ctl, clock, batch=4, ticks=8, kv_per_request=0.03)
+    assert 4 in limits[:4], limits
+
+
+def test_a_knee_where_the_kv_is_full_is_no_batch_cap() -> None:
+    """Where memory stops the engine (no room for another request beside the 8 it runs), the
+    knee moves with the prompts: not held as a cap (the KV rule holds rises there)."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=10)  # what it learned before: 2 over
+    limits = run_engine(ctl, clock, batch=8, ticks=4, kv_per_request=0.118)
+    assert limits[-1] == 8
+    assert ctl.reason.startswith("engine queue 2 at 8 running: 10 → 8"), ctl.reason
+    # The same engine with memory to spare: that is its batch cap.
+    ctl = LimitController.starting(1, 64, start=10)
+    reasons = []
+    for _ in range(4):
+        run_engine(ctl, clock, batch=8, ticks=1, kv_per_request=0.05)
+        reasons.append(ctl.reason)
+    assert "engine queue 2 at 8 running (its KV had room for 12 more: a batch cap): 10 → 8" in reasons, reasons
+
 
 def test_load_iop_does_not_send_takes_its_share_not_the_limit() -> None:
     clock = Clock()

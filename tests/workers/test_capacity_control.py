@@ -143,7 +143,8 @@ async def test_a_learned_capacity_falls_to_what_the_engine_runs_when_it_queues(
         engine.running, engine.waiting = 1, 3
         await busy(redis, limit)
         fallen = await until(redis, "fallen", lambda f: f["capacity"] == "1")
-        assert fallen["cap_reason"].startswith("engine queue 3 at 1 running: ")
+        assert fallen["cap_reason"].startswith("engine queue 3 at 1 running")
+        assert fallen["cap_reason"].endswith(f": {limit} → 1")
         config = parse({"models": [{"id": "m", "providers": {PROVIDER: SERVED}}],
                         "nodes": [{"id": "n1", "providers": [{"id": PROVIDER, "type": "vllm", "base_url": engine.url,
                                                               "models": [SERVED], "capacity": "auto"}]}]}).config
