@@ -214,6 +214,10 @@ class JobRecord(msgspec.Struct, frozen=True):
     # index (dispatcher/affinity.py); absent without affinity.
     blocks: list[str] | dict[str, str] = []
     passed_ms: int | None = None  # when it was first passed over for, or held for, its home
+    # The wait it was admitted for (submit's predict_ms: the caller's deadline, or the
+    # model's refuse_predicted_over_ms): a home's queue takes it only if it starts there
+    # within it (lua/lib/home_room.lua).
+    predict_ms: int | None = None
     # A limited tenant's token reservation, settled by finish (lua/lib/limits.lua).
     limits: RecordLimits | None = None
 

@@ -97,6 +97,9 @@ local rec = {
   lane = opts.lane ~= '' and opts.lane or nil, tenant = tenant, tag = score,
   pin = opts.pinned and LANE.candidates[1].provider or nil,
   blocks = opts.blocks and #opts.blocks > 0 and opts.blocks or nil,
+  -- The wait it is admitted for: a home's queue takes it only if it starts there within it
+  -- (lib/home_room.lua).
+  predict_ms = (opts.predict_ms or 0) > 0 and opts.predict_ms or nil,
 }
 local L = opts.limits
 if L and (L.tokens_per_minute > 0 or L.tokens_per_day > 0) then

@@ -47,7 +47,7 @@ local function affine(ctx, lane, rec, default, patient)
           local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
           if bounded(s) then
             if s.inf < s.cap then return cand, 'hit', held end
-            if queued == nil and home_room(lane, s) then queued = cand end
+            if queued == nil and home_room(lane, s, rec, ctx.now) then queued = cand end
             waits = true
           end
           spilled = true

@@ -48,12 +48,13 @@ TENANT_DOCS = {t: f"You answer for tenant {t}. " + f"Policy {t} clause. " * 300 
 
 
 class AffineHarness(Harness):
-    async def send(self, body: bytes, api: ApiSide | None = None) -> tuple[str, str | None]:
-        """Submit a chat request with its prompt's blocks; (job, the provider it went to)."""
+    async def send(self, body: bytes, api: ApiSide | None = None, deadline_ms: int = 0) -> tuple[str, str | None]:
+        """Submit a chat request with its prompt's blocks (and the caller's deadline, if
+        any); (job, the provider it went to)."""
         job = uuid.uuid4().hex
         lane = self.calls.plans.main_lane("m")
         result = await (api or self.api).submit(job, lane, body, "chat/completions", False,
-                                                blocks=blocks_of("chat/completions", body))
+                                                blocks=blocks_of("chat/completions", body), deadline_ms=deadline_ms)
         assert result.status in ("dispatched", "queued"), result
         rec = await self.record(job)
         return job, rec.provider if rec is not None else None
@@ -248,6 +249,46 @@ async def test_a_home_queues_its_own_prompts_past_its_capacity(any_redis: Redis)
     assert view is not None
     assert (view.home_queue, view.home_queued) == (1.0, 3)
     assert 'iop_affinity_home_queued_total{model="m"} 3.0' in RequestMetrics().render(catalog).decode()
+
+
+async def test_a_home_queue_takes_a_job_only_if_it_starts_there_within_its_deadline(any_redis: Redis) -> None:
+    """A hit with a deadline (the caller's, or the model's refuse_predicted_over_ms) goes to
+    its home's queue only if a slot frees there in time -- one every svc_ms / capacity on
+    average -- and otherwise waits in iop, where deadlines and load shedding see it."""
+    h = await started(any_redis, affine_config({"a": 2, "b": 2}, load_bound=100, home_queue=1.0))
+    x = TENANT_DOCS["a"]
+    _, home = await h.send(chat(x, "x1"))
+    assert home is not None
+    await h.send(chat(x, "x2"))
+    await any_redis.hset(keys.provider(home), "svc_ms", 1000)  # a slot frees every 500 ms
+    x3, where = await h.send(chat(x, "x3"), deadline_ms=2000)  # first in its queue: starts in ~500 ms
+    assert where == home
+    assert (await h.assignment(x3)).queued
+    _, where = await h.send(chat(x, "x4"), deadline_ms=900)  # second: ~1,000 ms, past its deadline
+    assert where is None
+    assert await h.in_flight(home) == 3
+
+
+async def test_the_models_shedding_bound_keeps_a_home_queue_as_short(any_redis: Redis) -> None:
+    config = cfg.parse({
+        "queue": {"refuse_predicted_over_ms": 700},
+        "nodes": [{"id": "n1", "providers": [
+            {"id": pid, "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 2, "models": [f"m@{pid}"]}
+            for pid in "ab"]}],
+        "models": [{"id": "m", "providers": {"a": "m@a", "b": "m@b"},
+                    "affinity": {"mode": "prefix", "load_bound": 100, "home_queue": 1.0}}],
+    }).config
+    h = await started(any_redis, config)
+    x = TENANT_DOCS["a"]
+    x1, home = await h.send(chat(x, "x1"))
+    assert home is not None
+    assert (await h.record(x1)).predict_ms == 700  # what it was admitted for
+    await h.send(chat(x, "x2"))
+    await any_redis.hset(keys.provider(home), "svc_ms", 1000)
+    _, where = await h.send(chat(x, "x3"))  # ~500 ms in its home's queue: within 700
+    assert where == home
+    _, where = await h.send(chat(x, "x4"))  # ~1,000 ms: it waits in iop
+    assert where is None
 
 
 @pytest.mark.parametrize("firm", [
