@@ -1116,11 +1116,17 @@ def command(args: argparse.Namespace, scenario: str) -> str:
     return command_line(COMMAND, args, defaults)
 
 
+def section_of(args: argparse.Namespace, scenario: str) -> str:
+    """The docs section a run writes: a run with load shedding (``--queue`` with
+    ``refuse_predicted_over_ms``) has its own beside the scenario's, so both stay."""
+    return f"capacity-{scenario}" + ("-shed" if "refuse_predicted_over_ms" in args.queue else "")
+
+
 def write(args: argparse.Namespace, scenario: str, outcome: Outcome, setting: str) -> None:
     doc = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
     heading = "" if HEADING.splitlines()[0] in doc.read_text() else HEADING + "\n"
     notes = f"\n{setting} The scenario took {outcome.seconds / 60:.1f} min; {outcome.load}.\n"
-    write_section(f"capacity-{scenario}", command(args, scenario), outcome.text, notes,
+    write_section(section_of(args, scenario), command(args, scenario), outcome.text, notes,
                   heading=heading + SECTIONS[scenario])
 
 

@@ -103,7 +103,8 @@ FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
 AFFINITY_STATS = f"{PREFIX}:aff:stats"
-# Each lane's drain rate while it has a backlog (lua/lib/pump.lua note_drain).
+# Each lane's drain rate while it has a backlog (lua/lib/pump.lua note_drain), and, under
+# shed_field(queue), how many submits the queue refused for want of room or time.
 QUEUE_RATES = f"{PREFIX}:qrate"
 # The tenants' rate limits and budgets (lua/lib/limits.lua: r:/t:/d:/x: fields per tenant).
 LIMITS = f"{PREFIX}:limits"
@@ -157,6 +158,12 @@ def queue(model_id: str, lane: str = "") -> str:
     if not lane or lane.startswith("#"):
         return f"{PREFIX}:q:{model_id}{lane}"
     return f"{PREFIX}:q:{model_id}|{lane}"
+
+
+def shed_field(queue_key: str) -> str:
+    """The field of ``QUEUE_RATES`` counting the submits ``queue_key`` refused as full or
+    deadline_unmeetable (lua/submit.lua): demand a learned limit reads as a backlog."""
+    return f"{queue_key}|shed"
 
 
 def plan(plan_id: str) -> str:

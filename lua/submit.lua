@@ -44,6 +44,8 @@
 --!include lib/limits.lua
 
 local SEQ, QUEUE, REPLICA_JOBS, LIMITS = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+-- The rates hash's field of a queue's refusals for want of room or time (keys.shed_field).
+local SHED_SUFFIX = '|shed'
 local LANE = PLAN.only
 local opts = cjson.decode(ARGV[4])
 local job, body, model, replica = opts.job, ARGV[5], opts.model, opts.replica
@@ -147,6 +149,11 @@ if in_queue then
   if status ~= nil then
     redis.call('ZREM', QUEUE, job)
     count(rec, 'q', -1)
+    if status ~= 'no_provider' then
+      -- Demand the lane had no room or time for: a learned limit reads it as a backlog
+      -- (workers/capacity_control.py), since shedding keeps the queue itself short.
+      redis.call('HINCRBY', KEYS[BASE + PLAN.rates], QUEUE .. SHED_SUFFIX, 1)
+    end
     if ftag ~= nil then
       -- Refused: its tag is given back.
       if old_f then redis.call('HSET', FAIR.f, ftag, old_f) else redis.call('HDEL', FAIR.f, ftag) end

@@ -69,6 +69,7 @@ class ProviderLoad:
     beyond: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=16))
     first_tokens: FirstTokens = field(default_factory=FirstTokens)
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
+    shed: dict[str, int] = field(default_factory=dict)  # queue -> refusals counted at the last reading
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
     moved: bool = False
@@ -218,12 +219,21 @@ class CapacityControl:
                 queues = sorted(plan_queues) if load.controller is not None else []
                 for queue in queues:
                     pipe.zcard(queue)
+                if queues:
+                    pipe.hmget(keys.QUEUE_RATES, [keys.shed_field(q) for q in queues])
                 replies = await pipe.execute()
         except RedisError as exc:
             log.debug("capacity of %s: %s", pid, exc)
             return True
         in_flight = int(replies[0] or 0)
-        backlog = any(int(n) for n in replies[1:])
+        backlog = any(int(n) for n in replies[1:1 + len(queues)])
+        if queues:
+            # Requests refused since the last reading (load shedding, a full queue) were
+            # demand too: shedding keeps the queue short, and would otherwise hold a low
+            # limit low (a long predicted wait refusing all that would show it a backlog).
+            shed = {q: int(n or 0) for q, n in zip(queues, replies[-1], strict=True)}
+            backlog = backlog or any(n > load.shed.get(q, n) for q, n in shed.items())
+            load.shed = shed
         now = time.monotonic()
         if reading is not None:
             # What the engine runs and queues beyond iop's own requests there, at this reading.

@@ -122,6 +122,13 @@ def test_the_blind_baseline_is_capacity_batch_with_the_servers_metrics_off() -> 
     assert not cf.make_target("iop-batch", cf.HETERO, cf.parse_args([]), Path("/tmp")).metrics_off  # type: ignore[attr-defined]
 
 
+def test_a_run_with_load_shedding_has_its_own_docs_section() -> None:
+    assert cf.section_of(cf.parse_args([]), "hetero") == "capacity-hetero"
+    shed = cf.parse_args(["--queue", '{"refuse_predicted_over_ms": 700}'])
+    assert cf.section_of(shed, "shapes") == "capacity-shapes-shed"
+    assert cf.section_of(cf.parse_args(["--queue", '{"max_queue": 10}']), "shapes") == "capacity-shapes"
+
+
 def test_a_limit_is_read_for_when_it_moved_and_settled() -> None:
     series = [(0.0, 8), (5.0, 8), (10.0, 8), (10.5, 8), (11.0, 6), (12.0, 4), (13.0, 5), (14.0, 3), (15.0, 3),
               (20.0, 3), (25.0, 3)]

@@ -110,6 +110,18 @@ async def test_a_model_may_shed_load_without_a_deadline(any_redis: Redis) -> Non
     assert (await h.send(deadline_ms=10_000))[1].status == SubmitStatus.DEADLINE_UNMEETABLE
 
 
+async def test_refused_submits_are_counted_for_the_learned_limit(any_redis: Redis) -> None:
+    # Load shedding keeps the queue short; the refusals are demand a learned limit reads as a
+    # backlog (workers/capacity_control.py), counted per queue (keys.shed_field).
+    h, _ = await backlog(any_redis, 0.1, refuse_predicted_over_ms=150)
+    queue = h.calls.plans.main_lane("m").queue
+    assert await any_redis.hget(keys.QUEUE_RATES, keys.shed_field(queue)) is None
+    for _ in range(3):
+        assert (await h.send())[1].status == SubmitStatus.DEADLINE_UNMEETABLE
+    assert await any_redis.hget(keys.QUEUE_RATES, keys.shed_field(queue)) == b"3"
+    assert await h.interval() is not None  # the drain rate's own field is untouched
+
+
 async def test_a_fresh_queue_is_predicted_from_its_providers_service_times(any_redis: Redis) -> None:
     # Issue 30: before any backlog was measured, the providers' published service times and
     # limits (lua/capacity.lua) predict the wait: one slot, 3 s per call, nine waiting: the

@@ -79,14 +79,21 @@ async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> No
     assert "a: stale heartbeat: last one" in refused.message
 
 
-async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provider_over(harness: Any) -> None:
-    # A rolling restart: the old worker drains (SIGTERM: workers/worker.py marks its providers
-    # unavailable and `leaving`), the new one heartbeats them at its next beat.
+async def left_with_one_waiting(harness: Any) -> tuple[Harness, str]:
+    """Provider a of one slot busy, a job waiting, and its worker leaving (SIGTERM:
+    workers/worker.py marks its providers unavailable and `leaving`)."""
     h = harness(make_config({"a": 1}, {"m": ["a"]}))
     await h.up("a")
     await h.submit("m")
     waiting, _ = await h.submit("m")
     await h.node.heartbeat("a", "unavailable", [("reason", "worker draining"), ("leaving", 1)])
+    return h, waiting
+
+
+async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provider_over(harness: Any) -> None:
+    # A rolling restart: the old worker drains, the new one heartbeats its providers at its
+    # next beat.
+    h, waiting = await left_with_one_waiting(harness)
     arrived, status = await h.submit("m")
     assert status == "queued"  # not refused: another worker of the node may be about to take it
     assert await h.calls.refuse() == 0  # nor by a reaper round, within the leaving beat's TTL
@@ -98,11 +105,7 @@ async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provid
 
 
 async def test_a_leaving_worker_nobody_takes_over_refuses_after_its_heartbeat_ttl(harness: Any) -> None:
-    h = harness(make_config({"a": 1}, {"m": ["a"]}))
-    await h.up("a")
-    await h.submit("m")
-    waiting, _ = await h.submit("m")
-    await h.node.heartbeat("a", "unavailable", [("reason", "worker draining"), ("leaving", 1)])
+    h, waiting = await left_with_one_waiting(harness)
     assert await h.calls.refuse() == 0
     await h.redis.hset(keys.provider("a"), "hb_exp", 1)  # its TTL passed with no other worker's beat
     assert await h.calls.refuse() == 1

@@ -158,6 +158,28 @@ async def test_a_learned_capacity_falls_to_what_the_engine_runs_when_it_queues(
         assert [x[1] for x in view.capacity_history][-1] == 1
 
 
+async def test_requests_refused_for_want_of_time_count_as_demand(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    """Load shedding keeps the queue empty: the refusals lua/submit.lua counts per queue
+    (keys.shed_field) are the backlog that lets a low limit rise."""
+    async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16):
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        engine.running, engine.waiting = 2, 0
+        await busy(redis, 2, backlog=False)  # every slot busy, nothing waiting in iop
+        shed = keys.shed_field(keys.queue("m"))
+
+        async def refusing() -> None:
+            while True:
+                await redis.hincrby(keys.QUEUE_RATES, shed, 1)
+                await anyio.sleep(0.1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refusing)
+            risen = await until(redis, "risen", lambda f: int(f["capacity"]) > 2)
+            tg.cancel_scope.cancel()
+        assert "every slot busy with more waiting" in risen["cap_reason"]
+
+
 async def test_load_iop_does_not_send_is_published_for_a_fixed_capacity_too(
         redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
     async with serving(redis_server, engine, capacity=8):
