@@ -26,6 +26,7 @@ import aiohttp
 import httpx
 
 from bench.stack import Stack, load_average, machine, markdown_table
+from dispatcher.live import FLUSH_S
 
 COMMAND = "python -m bench.live_accuracy"
 MEDIAN_MS = 150.0
@@ -84,7 +85,7 @@ def main() -> None:
         wall = time.monotonic()
         ttft, e2e = asyncio.run(load(stack.api_url, plan, args.concurrency))
         wall = time.monotonic() - wall
-        time.sleep(0.5)  # the last finish scripts land
+        time.sleep(2 * FLUSH_S)  # the worker writes what it tallied about once a second
         cat = httpx.get(f"{stack.api_url}/catalog", timeout=10).json()
     live = next(pr for pr in cat["providers"] if pr["id"] == "p-a")["live"]["5m"]
     rows = []

@@ -63,7 +63,7 @@ and every script can be given all of its keys in KEYS.
 |                          |        | on a new server, expiries are renewed before anyone is judged |
 |                          |        | (and ``judge``: no heartbeat is judged before that server ms) |
 | ``{iop}:live:<model>|<p>``| hash  | live figures of provider p serving a model: ``<window>:<slot>`` |
-|                          |        | -> that bucket (msgpack, wire.LiveBucket; lua/finish.lua)     |
+|                          |        | -> that bucket (msgpack, wire.LiveBucket; lua/live.lua)       |
 |                          |        | (uptime lives in the provider hash: ``up:<window>:<slot>``)   |
 | ``{iop}:qual:<model>``   | list   | a model's qualification reports, newest first (JSON,          |
 |                          |        | dispatcher/qualifications.py; the last 20 kept)               |

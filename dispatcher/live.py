@@ -2,10 +2,14 @@
 and e2e percentiles, output tokens/s per request, and uptime, over three sliding windows.
 
 Where they come from: the worker that ran a call knows its TTFT and e2e
-(``workers/job_run.py``) and passes them to the ``finish`` it runs anyway; the script adds the
-call to the current bucket of each window of its provider x model (``lua/lib/live_figures.lua``,
+(``workers/job_run.py``); once its ``finish`` has settled the job, the call goes into the
+worker's :class:`Tallies`, binned there, and the worker flushes them about once a second
+(``lua/live.lua``: per provider x model, the tally added to the current bucket of each window,
 one ``HMGET`` and one ``HSET``). Uptime comes from heartbeats (``lua/lib/uptime.lua``, in the
-provider hash). Nothing is added to the request path's round trips.
+provider hash). Nothing is added to the request path: no round trip, and no work in Redis per
+request -- unpacking and repacking a bucket's histograms, as ``finish.lua`` once did per call,
+cost Redis more than the rest of a call's scripts together (docs/BENCHMARKS.md). What a
+worker had not flushed when it died is lost: at most a second of figures.
 
 Why log-bucketed histograms: a percentile over a sliding window needs the window's samples or a
 mergeable summary of them. Bins 5% wide (``RATIO``) are mergeable by addition across buckets,
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -31,7 +35,13 @@ from dispatcher import keys, wire
 # tests/dispatcher/test_live.py.
 WINDOWS: tuple[tuple[str, int, int], ...] = (("5m", 30_000, 10), ("1h", 300_000, 12), ("24h", 3_600_000, 24))
 RATIO = 1.05
-BIN_BASE = 1000  # lua/lib/live_figures.lua LIVE_BIN_BASE
+# Bins are offset so that no histogram is ever a Lua sequence 1..n (cmsgpack would pack it as an
+# array): values from 0.001 up all land at 859 and above.
+BIN_BASE = 1000
+
+# How often a worker writes the calls it tallied to the live figures (workers/worker.py): the
+# figures lag the calls by at most this, and cost Redis one script call per worker this often.
+FLUSH_S = 1.0
 
 # The kinds of error a call can end in, as the live figures count them (``error_kind``).
 ERROR_KINDS = ("5xx", "4xx", "429", "timeout", "unreachable", "other")
@@ -46,13 +56,6 @@ class LiveSample:
     e2e_ms: float
     ttft_ms: float | None = None
     error: str = ""
-
-    def argv(self) -> list[str]:
-        """``lua/finish.lua``'s ARGV[17..19]."""
-        return [f"{self.e2e_ms:.3f}", "" if self.ttft_ms is None else f"{self.ttft_ms:.3f}", self.error]
-
-
-NO_SAMPLE = ["", "", ""]
 
 
 def error_kind(status: int, timeout: bool = False, unreachable: bool = False) -> str:
@@ -94,8 +97,77 @@ def value_of(bin_: float) -> float:
 
 
 def bin_of(value: float) -> int:
-    """lua/lib/live_figures.lua live_bin, for tests and benchmarks."""
+    """The histogram bin of a value: ``RATIO``-wide bins, offset by ``BIN_BASE`` (see ``wire.LiveBucket``)."""
     return BIN_BASE + math.floor(math.log(max(value, 0.001)) / math.log(RATIO))
+
+
+def _bump(into: dict[int, int], value: float) -> None:
+    b = bin_of(value)
+    into[b] = into.get(b, 0) + 1
+
+
+@dataclass(slots=True)
+class _Counts:
+    """One provider x model's calls since the last flush (``wire.LiveTally`` once taken)."""
+
+    requests: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    ttft: dict[int, int] = field(default_factory=dict)
+    e2e: dict[int, int] = field(default_factory=dict)
+    tps: dict[int, int] = field(default_factory=dict)
+
+    def add(self, sample: LiveSample, tokens: int) -> None:
+        self.requests += 1
+        if sample.error:
+            self.errors[sample.error] = self.errors.get(sample.error, 0) + 1
+            return
+        ttft = sample.ttft_ms
+        if ttft is not None and ttft >= 0:
+            _bump(self.ttft, ttft)
+        _bump(self.e2e, sample.e2e_ms)
+        # Output tokens/s while generating: from the first output on, when there was one.
+        generating = sample.e2e_ms - ttft if ttft is not None and 0 <= ttft < sample.e2e_ms else sample.e2e_ms
+        if tokens > 0 and generating > 0:
+            _bump(self.tps, tokens * 1000 / generating)
+
+    def merge(self, other: wire.LiveTally) -> None:
+        self.requests += other.requests
+        for name in ("errors", "ttft", "e2e", "tps"):
+            _merge(getattr(self, name), getattr(other, name))
+
+    def tally(self) -> wire.LiveTally:
+        return wire.LiveTally(self.requests, self.errors, self.ttft, self.e2e, self.tps)
+
+
+class Tallies:
+    """A worker's calls since its last flush, per (provider, model): what ``lua/live.lua``
+    adds to the live figures. Bounded by the pairs and bins seen, not by the calls."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, str], _Counts] = {}
+
+    def add(self, provider: str, model: str, sample: LiveSample, tokens: int = 0) -> None:
+        """One finished call; ``tokens``: the completion tokens it generated."""
+        counts = self._pairs.get((provider, model))
+        if counts is None:
+            counts = self._pairs[(provider, model)] = _Counts()
+        counts.add(sample, tokens)
+
+    def take(self) -> dict[tuple[str, str], wire.LiveTally]:
+        """Everything tallied, to flush; the tallies start again empty."""
+        taken, self._pairs = self._pairs, {}
+        return {pair: counts.tally() for pair, counts in taken.items()}
+
+    def put_back(self, taken: dict[tuple[str, str], wire.LiveTally]) -> None:
+        """A flush that did not reach Redis: its tallies wait for the next one."""
+        for pair, tally in taken.items():
+            counts = self._pairs.get(pair)
+            if counts is None:
+                counts = self._pairs[pair] = _Counts()
+            counts.merge(tally)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
 
 
 def percentile(hist: dict[int, int], q: float) -> float | None:

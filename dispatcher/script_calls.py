@@ -22,7 +22,6 @@ from dispatcher.config import Config
 from dispatcher.events import Assignment, JobRecord
 from dispatcher.exceptions import ModelNotFound
 from dispatcher.fastredis import Arg
-from dispatcher.live import NO_SAMPLE, LiveSample
 from dispatcher.plans import Lane, Plan, Plans
 from dispatcher.scripts import Script, Scripts
 from dispatcher.tenants import Tenant
@@ -233,27 +232,31 @@ class ScriptCalls:
 
     async def finish(
         self, job: Assignment, node: str, event: bytes | None, *, mode: FinishMode = "done", tokens: int = 0,
-        prompt: int = 0, cached: int = 0, verdict: str = "", live: LiveSample | None = None,
+        prompt: int = 0, cached: int = 0, verdict: str = "",
     ) -> FinishOutcome:
         """``tokens``: the completion tokens the job generated, for its provider's throughput;
         ``prompt``, ``cached``: its prompt tokens and those the provider served from its cache;
         ``verdict``: 'ok' the provider answered, '<status>' a 5xx, '' nothing to count
-        (lua/lib/blame.lua); ``live``: the call in its provider x model's live figures
-        (dispatcher/live.py; None: not counted). An ejection it decided is logged."""
+        (lua/lib/blame.lua). An ejection it decided is logged."""
         queue = self._queue_now(job.model, job.lane, job.endpoint, job.provider if job.pinned else None)
-        plan, ks, head = self._settle_args(job.provider, node, job.replica, queue, keys.LIMITS,
-                                           keys.live(job.provider, job.model))
+        plan, ks, head = self._settle_args(job.provider, node, job.replica, queue, keys.LIMITS)
         outcome, _, ejected, *woken = await self._pump(
             self.scripts.finish, plan, ks,
             [*head, job.job, job.fence, job.entry_id, keys.NODE_GROUP, event or b"", REPLY_KEEP_MS,
-             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens, prompt, cached, verdict,
-             *(live.argv() if live is not None else NO_SAMPLE)],
+             mode, self.config.dispatch.max_attempts, events.REQUEUED, tokens, prompt, cached, verdict],
         )
         result = FinishOutcome(outcome.decode())
         if ejected:
             log.warning("provider %s", ejected.decode())
         await self._wake(job.provider, [*woken, *([queue.encode()] if result == FinishOutcome.REQUEUED else [])])
         return result
+
+    async def add_live(self, tallies: dict[tuple[str, str], wire.LiveTally]) -> int:
+        """A worker's tallies of (provider, model) pairs added to their live figures
+        (lua/live.lua); the number of pairs written."""
+        pairs = list(tallies.items())
+        return int(await self.scripts.live([keys.live(p, m) for (p, m), _ in pairs],
+                                           [msgspec.msgpack.encode(t) for _, t in pairs]))
 
     def _queue_now(self, model: str, lane: str, endpoint: str, pin: str | None) -> str:
         """The queue a dispatched job of ``lane`` goes back to if it is requeued: the lane it

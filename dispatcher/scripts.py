@@ -27,7 +27,8 @@ from dispatcher.exceptions import IopError
 from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
-         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon", "capacity")
+         "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon", "capacity",
+         "live")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -125,6 +126,7 @@ class Scripts:
         self.plan = Script(redis, fast, "plan")
         self.abandon = Script(redis, fast, "abandon")
         self.capacity = Script(redis, fast, "capacity")
+        self.live = Script(redis, fast, "live")
 
     @property
     def redis(self) -> Redis:

@@ -497,6 +497,18 @@ class LiveBucket(msgspec.Struct, frozen=True):
     tps: dict[int, int] = {}
 
 
+class LiveTally(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A worker's tally of one provider x model's calls since its last flush, as ``lua/live.lua``
+    reads it (msgpack; ``dispatcher/live.py`` Tallies): what ``LiveBucket`` holds but its
+    number, added to the current bucket of each window. Empty maps are left out."""
+
+    requests: int = 0
+    errors: dict[str, int] = {}
+    ttft: dict[int, int] = {}
+    e2e: dict[int, int] = {}
+    tps: dict[int, int] = {}
+
+
 def live_bucket(raw: bytes) -> LiveBucket | None:
     try:
         return msgspec.msgpack.decode(raw, type=LiveBucket)

@@ -13,7 +13,7 @@ from redis.exceptions import ResponseError
 from dispatcher import keys, wire
 from dispatcher.events import Assignment
 from dispatcher.fastredis import FastRedis
-from dispatcher.live import LiveSample
+from dispatcher.live import LiveSample, Tallies
 from dispatcher.script_calls import Abort, EmitOutcome, FinishMode, FinishOutcome, ScriptCalls
 
 
@@ -25,6 +25,8 @@ class WorkerSide:
         self.fast = fast
         self.node_id = node_id
         self.node_key = keys.node(node_id)
+        # The live figures of the calls finished since the last flush_live.
+        self.tallies = Tallies()
 
     @property
     def calls(self) -> ScriptCalls:
@@ -51,9 +53,28 @@ class WorkerSide:
         completion tokens the job generated (its provider's tokens per second); ``prompt``,
         ``cached``: its prompt tokens, and those served from the provider's cache; ``verdict``:
         what the call says of its provider (``workers/job_run.py`` verdict_of); ``live``: the
-        call in the live figures (None: not a caller's call to count)."""
-        return await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens, prompt=prompt,
-                                       cached=cached, verdict=verdict, live=live)
+        call in the live figures (None: not a caller's call to count), tallied once the job is
+        settled -- a finish its lease's expiry made stale counts nothing -- and written by the
+        next :meth:`flush_live`."""
+        outcome = await self.calls.finish(job, self.node_id, event, mode=mode, tokens=tokens, prompt=prompt,
+                                          cached=cached, verdict=verdict)
+        if live is not None and outcome != FinishOutcome.STALE:
+            self.tallies.add(job.provider, job.model, live, tokens)
+        return outcome
+
+    async def flush_live(self) -> int:
+        """Write the calls tallied since the last flush to their live figures (lua/live.lua):
+        the pairs written. Tallies Redis did not take wait for the next flush."""
+        taken = self.tallies.take()
+        if not taken:
+            return 0
+        try:
+            return await self.calls.add_live(taken)
+        except BaseException:
+            # Not known to be written (an error that came after Redis ran it counts twice:
+            # a second of figures, against losing them whenever Redis blinks).
+            self.tallies.put_back(taken)
+            raise
 
     async def publish_capacity(self, provider: str, report: wire.CapacityReport) -> int:
         """What this worker knows of a provider's load (workers/capacity_control.py)."""

@@ -3,12 +3,13 @@
 -- lane the provider serves so the freed slot goes to the oldest waiting job.
 -- Fenced: a worker whose dispatch was taken over (its lease expired) changes nothing
 -- but its own delivery's acknowledgement.
+-- The call's live figures are not written here: its worker tallies them and flushes the
+-- tally about once a second (live.lua).
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
 -- KEYS[6]    node stream     KEYS[7] reply stream     KEYS[8] replica job set
 -- KEYS[9]    provider hash   KEYS[10] the job's lane queue
 -- KEYS[11]   the tenants' rate limits and budgets (lib/limits.lua)
--- KEYS[12]   the live figures of the job's provider x model (lib/live_figures.lua)
 -- KEYS[..]   plan keys of the provider's lanes
 -- ARGV[1..3] plan id, plan key offset, lease ms (see lib/dispatch_plan.lua)
 -- ARGV[4]    job id     ARGV[5] fence     ARGV[6] node stream entry id
@@ -32,10 +33,6 @@
 -- ARGV[16]   verdict: what the call says of its provider, for its 5xx evidence
 --            (lib/evidence.lua): 'ok' it answered (a status under 500), '<status>' a 5xx
 --            answer, '' nothing (aborted, or it failed otherwise: its worker took it out)
--- ARGV[17]   the call in the live figures: its end-to-end ms ('' none: it was not a
---            caller's call to its provider -- a hand-back, an abort, a qualification's)
--- ARGV[18]   its time to first output ms ('' none: a JSON answer)
--- ARGV[19]   '' answered (a status under 400), else its error's kind (dispatcher/live.py)
 -- Returns {outcome, dispatched, ejections, queue key...}; outcome 'released' | 'requeued'
 -- | 'failed' | 'dropped' | 'stale'; ejections: the providers this finish ejected, in
 -- words ('' none); the queue keys: where the release brought parked jobs back to
@@ -49,14 +46,12 @@
 --!include lib/hash_fields.lua
 --!include lib/evidence_window.lua
 --!include lib/evidence.lua
---!include lib/live_figures.lua
 
 -- What finish reads of its provider: its token window and totals, and its 5xx evidence.
 local PROVIDER_COUNTERS = {'tok_t0', 'tok_cur', 'prompt_tokens', 'cached_tokens'}
 for _, name in ipairs(EVIDENCE_FIELDS) do PROVIDER_COUNTERS[#PROVIDER_COUNTERS + 1] = name end
 
 local NODE, REPLY, REPLICA_JOBS, PROVIDER, QUEUE, LIMITS = KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
-local LIVE = KEYS[12]
 local job, entry, event = ARGV[4], ARGV[6], ARGV[8]
 
 -- The delivery is over whatever happened to the job: a pending entry would never leave.
@@ -99,9 +94,6 @@ end
 if released_here and prompt > 0 then
   set_field(counters, 'prompt_tokens', (tonumber(counters.v.prompt_tokens) or 0) + prompt)
   if cached > 0 then set_field(counters, 'cached_tokens', (tonumber(counters.v.cached_tokens) or 0) + cached) end
-end
-if ARGV[17] ~= nil and ARGV[17] ~= '' then
-  note_live(LIVE, now, tonumber(ARGV[18]) or -1, tonumber(ARGV[17]), tokens, ARGV[19] or '')
 end
 if tonumber(verdict) ~= nil then
   -- A 5xx: noted on the job, whose end decides whom it blames (lib/evidence.lua).

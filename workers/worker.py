@@ -16,6 +16,8 @@ to the node, report every answer back, and give every slot back.
 * ``Reaper.run_forever``  the shared maintenance round (``dispatcher.reaper``)
 * ``ProviderAdapters.run`` close the adapters a reload retired once nothing runs on them
                           (``workers/runtime.py``)
+* ``_flush_live``         write the calls' live figures, tallied in ``WorkerSide``, every
+                          second (``lua/live.lua``), and once more at the end
 * ``_watch_signals``      SIGTERM/SIGINT: shut down -- stop taking jobs, let running ones
                           finish within ``dispatch.drain_grace_s``, cancel the rest, exit
 * ``_watch_hangups``      SIGHUP: read the config file again and apply it (:meth:`reload`):
@@ -45,6 +47,7 @@ from redis.exceptions import RedisError
 
 from dispatcher.config import Config
 from dispatcher.exceptions import ConfigError, ConfigProblem
+from dispatcher.live import FLUSH_S
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.reloading import describe_changes, reread
@@ -130,10 +133,13 @@ class Worker:
                 tg.start_soon(self.reaper.run_forever)
                 tg.start_soon(self.telemetry.run)
                 tg.start_soon(self.adapters.run, self.lease_s)
+                tg.start_soon(self._flush_live)
                 async with anyio.create_task_group() as jobs:
                     await self.stream.consume(jobs)
                     await self._shut_down(jobs)
                 tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._flush_live_once()  # what the last jobs added
             await self.stream.leave_group()
         finally:
             await self.adapters.aclose()
@@ -153,6 +159,17 @@ class Worker:
                          signal.Signals(signum).name, len(self.runs))
                 self.stop()
                 return
+
+    async def _flush_live(self) -> None:
+        while True:
+            await anyio.sleep(FLUSH_S)
+            await self._flush_live_once()
+
+    async def _flush_live_once(self) -> None:
+        try:
+            await self.side.flush_live()
+        except RedisError as exc:  # kept for the next flush
+            log.debug("live figures not written (%s): kept for the next flush", exc)
 
     async def _watch_hangups(self) -> None:
         with anyio.open_signal_receiver(signal.SIGHUP) as signals:

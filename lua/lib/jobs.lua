@@ -10,6 +10,7 @@
 -- Record states: 'q' waiting in its lane queue, 'd' dispatched (holds a lease),
 -- 'c' dispatched and cancel requested, 'x' expired in the queue. A finished job has no record.
 -- Time comes from the server (TIME), never from a client clock.
+--!include lib/now_ms.lua
 
 local JOBS, BODIES, LEASES, DEADLINES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 -- With flow control, the tenants hash: q:<tenant> and q:<tenant>:<model> count waiting
@@ -25,11 +26,6 @@ local function count(rec, kind, d)
   if TENANTS == nil or rec.tenant == nil then return end
   redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tenant, d)
   redis.call('HINCRBY', TENANTS, kind .. ':' .. rec.tenant .. ':' .. rec.model, d)
-end
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 local function get_record(job)

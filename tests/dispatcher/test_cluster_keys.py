@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 from dispatcher import config as cfg
 from dispatcher import events, keys, wire
 from dispatcher.events import Assignment, Meta, Start
+from dispatcher.live import LiveSample
 from dispatcher.reaper import Reaper
 from dispatcher.script_calls import Abort, AbortReason, CancelReason
 from dispatcher.scripts import NAMES, Scripts
@@ -190,7 +191,9 @@ class Scenario:
         self.note("renew n2", await self.n2.renew([(j, run[j].fence) for j in by_provider["c"]]))
 
         # finish: release + pump hands the slot of b to the waiting m1 job.
-        assert await self.finish(by_provider["b"][0]) == "released"
+        answered = LiveSample(e2e_ms=80.0, ttft_ms=20.0)
+        assert await self.finish(by_provider["b"][0], live=answered, tokens=12) == "released"
+        self.note("live figures", await self.n1.flush_live())
         assert waiting_m1 in await self.running()
 
         # cancel of a waiting job: timeout before its deadline waits, the client's removes.

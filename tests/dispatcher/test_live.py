@@ -1,5 +1,6 @@
-"""Live figures from traffic (issue 32): what ``lua/finish.lua`` adds to a provider x model's
-buckets (``lua/lib/live_figures.lua``), the uptime heartbeats keep (``lua/lib/uptime.lua``),
+"""Live figures from traffic (issue 32): what a worker tallies of the calls it finishes
+(``WorkerSide.finish``, ``dispatcher/live.py`` Tallies) and its flush adds to a provider x
+model's buckets (``lua/live.lua``), the uptime heartbeats keep (``lua/lib/uptime.lua``),
 and how ``dispatcher/live.py`` and the catalog read them, against a real Redis of every
 available version. The server's clock cannot be moved, so an older bucket is played by
 writing one with an older number."""
@@ -37,10 +38,13 @@ async def now_ms(redis: Redis) -> int:
 
 
 async def run_one(h: Harness, sample: LiveSample | None, model: str = "m", tokens: int = 0) -> str:
+    """One call finished, and the worker's tallies flushed."""
     job, status = await h.submit(model)
     assert status == "dispatched"
     a = await h.assignment(job)
-    return str(await h.node.finish(a, b"x", tokens=tokens, live=sample))
+    outcome = str(await h.node.finish(a, b"x", tokens=tokens, live=sample))
+    await h.node.flush_live()
+    return outcome
 
 
 async def buckets(h: Harness, provider: str, model: str = "m") -> dict[str, wire.LiveBucket]:
@@ -54,14 +58,12 @@ async def buckets(h: Harness, provider: str, model: str = "m") -> dict[str, wire
 
 
 def test_the_lua_windows_are_pythons() -> None:
-    source = scripts.source("finish")
+    source = scripts.source("live")
     table = re.search(r"LIVE_WINDOWS = \{(.*)\}\n", source)
     assert table is not None
     found = tuple((n, int(length), int(count)) for n, length, count in
                   re.findall(r"\{'(\w+)', (\d+), (\d+)\}", table.group(1)))
     assert found == live.WINDOWS
-    assert f"LIVE_BIN_BASE = {live.BIN_BASE}" in source
-    assert f"math.log({live.RATIO})" in source
 
 
 async def test_a_finish_without_a_sample_writes_no_figures(h: Harness) -> None:
@@ -154,7 +156,59 @@ async def test_a_fenced_finish_counts_nothing(h: Harness) -> None:
     a = await h.assignment(job)
     stale = type(a)(**{**{f: getattr(a, f) for f in a.__struct_fields__}, "fence": a.fence + 1})
     assert str(await h.node.finish(stale, b"x", live=LiveSample(e2e_ms=10.0))) == "stale"
+    assert len(h.node.tallies) == 0
+    assert await h.node.flush_live() == 0
     assert await h.redis.exists(keys.live(a.provider, "m")) == 0
+
+
+async def test_a_flush_adds_many_calls_as_one_by_one_would(h: Harness) -> None:
+    """The tally is binned by the worker and added at once: the same buckets as a flush after
+    every call."""
+    await h.set_in_flight("b", 8)
+    rnd = random.Random(3)
+    samples = [LiveSample(e2e_ms=rnd.uniform(50, 5000), ttft_ms=rnd.choice([None, rnd.uniform(1, 40)]),
+                          error=rnd.choice(["", "", "", "5xx", "timeout"])) for _ in range(40)]
+    tokens = [rnd.randint(0, 300) for _ in samples]
+    for sample, n in zip(samples, tokens, strict=True):
+        await run_one(h, sample, tokens=n)
+    one_by_one = await buckets(h, "a")
+    await h.redis.delete(keys.live("a", "m"))
+    for sample, n in zip(samples, tokens, strict=True):
+        job, _ = await h.submit("m")
+        await h.node.finish(await h.assignment(job), b"x", tokens=n, live=sample)
+    assert len(h.node.tallies) == 1
+    assert await h.node.flush_live() == 1
+    at_once = await buckets(h, "a")
+    assert at_once.keys() == one_by_one.keys()
+    for field, b in at_once.items():
+        assert msgspec.structs.replace(b, at=0) == msgspec.structs.replace(one_by_one[field], at=0), field
+    five = next(v for k, v in at_once.items() if k.startswith("5m:"))
+    assert five.requests == 40
+    assert sum(five.errors.values()) == sum(1 for s in samples if s.error)
+
+
+async def test_a_flush_redis_refused_is_kept_for_the_next(h: Harness) -> None:
+    await h.set_in_flight("b", 8)
+    job, _ = await h.submit("m")
+    await h.node.finish(await h.assignment(job), b"x", live=LiveSample(e2e_ms=30.0))
+    job, _ = await h.submit("m")
+    await h.node.finish(await h.assignment(job), b"x", live=LiveSample(e2e_ms=30.0, error="5xx"))
+    real = h.calls.add_live
+
+    async def refuse(*args: object) -> int:
+        raise ConnectionError("Redis went away")
+
+    h.calls.add_live = refuse  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await h.node.flush_live()
+    h.calls.add_live = real  # type: ignore[method-assign]
+    job, _ = await h.submit("m")
+    await h.node.finish(await h.assignment(job), b"x", live=LiveSample(e2e_ms=30.0))
+    assert await h.node.flush_live() == 1
+    five = next(v for k, v in (await buckets(h, "a")).items() if k.startswith("5m:"))
+    assert five.requests == 3
+    assert five.errors == {"5xx": 1}
+    assert five.e2e == {live.bin_of(30.0): 2}
 
 
 def test_a_percentile_read_from_the_histogram_is_within_the_bins_half_width() -> None:

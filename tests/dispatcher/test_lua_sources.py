@@ -15,7 +15,7 @@ MAX_LINES = 120
 
 # What Redis gives every script (its Lua 5.1 sandbox), as far as the scripts use it.
 BUILTINS = frozenset({"redis", "cjson", "cmsgpack", "KEYS", "ARGV", "string", "table", "math", "tonumber",
-                      "tostring", "ipairs", "pairs", "unpack", "type"})
+                      "tostring", "ipairs", "pairs", "next", "unpack", "type"})
 
 ROOT = scripts.lua_dir()
 FILES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.lua"))

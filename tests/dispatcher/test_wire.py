@@ -32,6 +32,8 @@ TABLES = [
     # The plan's ejection rules, as lib/blame.lua and lib/eject.lua read them.
     ("finish", "rules", wire.Ejection),
     ("capacity", "report", wire.CapacityReport),
+    # A worker's tally of calls, as lib/live_figures.lua adds it to a bucket.
+    ("live", "tally", wire.LiveTally),
 ]
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,8 +19,10 @@ import httpx
 import pytest
 
 from dispatcher import keys
+from dispatcher.live import FLUSH_S
 from iop.redis_server import RedisServer
 from tests.e2e.system import System, http_provider
+from tests.waiting import eventually_sync
 
 TOKENS = 8
 
@@ -116,6 +119,7 @@ def test_its_requests_are_marked_and_kept_out_of_the_live_figures(system: System
                  if line.startswith("iop_requests_total") and 'tenant="iop-qualify"' in line]
     assert qualified
     assert sum(float(line.rsplit(" ", 1)[1]) for line in qualified) >= 40
+    time.sleep(2 * FLUSH_S)  # the worker writes what it tallied about once a second
     cat = httpx.get(f"{system.api_url}/catalog", timeout=10).json()
     assert all(p["live"]["5m"]["requests"] == 0 for p in cat["providers"])
 
@@ -126,8 +130,14 @@ def test_callers_requests_make_the_live_figures(system: System, report: dict[str
                           json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
             assert r.status_code == 200
             r.read()
-    cat = httpx.get(f"{system.api_url}/catalog", timeout=10).json()
-    live = {p["id"]: p["live"]["5m"] for p in cat["providers"]}
+
+    def live_now() -> dict[str, Any]:
+        cat = httpx.get(f"{system.api_url}/catalog", timeout=10).json()
+        return {p["id"]: p["live"]["5m"] for p in cat["providers"]}
+
+    # The worker writes the calls it tallied about once a second (dispatcher/live.py FLUSH_S).
+    live = eventually_sync(live_now, lambda v: sum(p["requests"] for p in v.values()) >= 12,
+                           what="the 12 calls in the live figures")
     assert sum(v["requests"] for v in live.values()) == 12
     served = [v for v in live.values() if v["requests"]]
     # The fakes wait 150 ms at least before their first token; a live percentile is read from

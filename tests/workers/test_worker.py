@@ -1,7 +1,7 @@
 """``Worker`` as the wiring of its parts (workers/worker.py), in this event loop against a
 private redis-server and the project's fake providers: what a reload swaps and what it
-tells Redis, and what it refuses. (Signals, shutdown and crashes: tests/e2e, with real
-processes.)"""
+tells Redis, and what it refuses; the live figures it flushes, every second and when it
+stops. (Signals, shutdown and crashes: tests/e2e, with real processes.)"""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import pytest
 import yaml
 from redis.asyncio import Redis
 
-from dispatcher import keys
+from dispatcher import keys, wire
 from dispatcher.config import Config, parse
 from dispatcher.config.field_rules import restart_paths
 from dispatcher.exceptions import ConfigError
+from dispatcher.live import FLUSH_S, LiveSample
 from iop.fake_provider import FakeOptions, start
 from iop.redis_server import RedisServer, free_port
 from tests.waiting import eventually
@@ -148,3 +149,25 @@ async def test_a_worker_without_a_config_file_does_not_reload(redis_server: Redi
         assert not await worker.reload()
     finally:
         await worker.clients.aclose()
+
+
+async def test_the_calls_a_worker_tallied_reach_the_live_figures_within_a_flush(
+    tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int]
+) -> None:
+    async with serving(tmp_path / "iop.yaml", raw_config(redis_server.url, {"a": fakes["a"]}), redis) as worker:
+        worker.side.tallies.add("a", "m", LiveSample(e2e_ms=120.0))
+        await eventually(lambda: redis.exists(keys.live("a", "m")), within=5 * FLUSH_S, what="a flush")
+        assert len(worker.side.tallies) == 0
+
+
+async def test_a_stopping_worker_writes_what_it_tallied_last(
+    tmp_path: Path, redis_server: RedisServer, redis: Redis, fakes: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("workers.worker.FLUSH_S", 3600.0)  # no flush but the last one
+    async with serving(tmp_path / "iop.yaml", raw_config(redis_server.url, {"a": fakes["a"]}), redis) as worker:
+        worker.side.tallies.add("a", "m", LiveSample(e2e_ms=120.0, error="5xx"))
+        assert not await redis.exists(keys.live("a", "m"))
+    raw = await redis.hgetall(keys.live("a", "m"))
+    buckets = [wire.live_bucket(v) for v in raw.values()]
+    assert len(buckets) == 3
+    assert all(b is not None and b.requests == 1 and b.errors == {"5xx": 1} for b in buckets)
