@@ -17,7 +17,8 @@ is SIGKILLed in the middle of it. The contract (docs/OPERATIONS.md, "Redis failo
   after the failover, and both are 0 once the load is drained; a reaper round saw the
   new server.
 
-Each topology runs twice: a plain kill (the replica, on the same machine, has every write),
+Each topology runs twice: a plain kill (the primary's writes held until its replica has them
+all, then SIGKILL),
 and ``lost-writes``, where the replica that will be promoted is cut off from its master
 ``LOST_WRITES_S`` before the kill, so the failover loses everything written meanwhile
 (asynchronous replication at its worst): requests whose writes were lost may end
@@ -41,6 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -118,6 +120,32 @@ def cut_off(replica: RedisServer) -> None:
         client.execute_command("CLIENT", "KILL", "TYPE", "master")
         linked = client.info("replication").get("master_link_status")
     assert linked != "up"
+
+
+def hold_until_replicated(primary: RedisServer, within_s: float = 5.0) -> None:
+    """Hold the primary's writes (``CLIENT PAUSE ... WRITE``: scripts wait too), then wait until
+    each of its replicas has all of them, so that a kill now loses nothing the primary
+    acknowledged. Asynchronous replication only makes that likely: on a busy machine a replica
+    once lagged a dispatch's writes, and the request ran twice, as lost writes allow. The
+    pause ends with the primary."""
+    with Redis.from_url(primary.url, socket_timeout=2) as client:
+        if not int(client.info("replication")["connected_slaves"]):
+            return  # a standalone Redis: its AOF is what it restarts from
+        client.execute_command("CLIENT", "PAUSE", int(within_s * 2000), "WRITE")
+        info = client.info("replication")
+        target = int(info["master_repl_offset"])
+        replicas = [(v["ip"], int(v["port"])) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+    give_up = time.monotonic() + within_s
+    auth = urlsplit(primary.url).netloc.rpartition("@")[0]
+    auth = f"{auth}@" if auth else ""
+    for host, port in replicas:
+        with Redis.from_url(urlsplit(primary.url)._replace(netloc=f"{auth}{host}:{port}").geturl(),
+                            socket_timeout=2) as replica:
+            # A replica's own master_repl_offset is what it has applied (the primary's view of
+            # it lags by up to a second of REPLCONF ACKs).
+            while int(replica.info("replication")["master_repl_offset"]) < target:
+                assert time.monotonic() < give_up, f"replica {host}:{port} still behind {target}"
+                time.sleep(0.005)
 
 
 def cluster_topology(lose_writes: bool) -> Iterator[Topology]:
@@ -455,8 +483,7 @@ def test_failover_under_load(tmp_path: Path, topology: Topology, record_property
         assert failures <= {(503, "redis_unavailable"), (502, "worker_lost"), (200, "worker_lost")}, run.context
         return
     if not topology.lose_writes:
-        # The replica is on the same machine, so it holds every write the master acknowledged
-        # (a loss would need the kill to land in the microseconds between the two): every
+        # The replica held every write the master acknowledged (hold_until_replicated): every
         # request is answered 200 -- those sent during the failover once it is over -- and
         # nothing runs twice.
         assert run.summary["non_200"] == 0, run.context
@@ -521,6 +548,8 @@ def run_outage(system: FailoverSystem, topology: Topology, record_property: Call
         topology.cut_replication()
         cut_at = time.monotonic()
         time.sleep(LOST_WRITES_S)
+    else:
+        hold_until_replicated(topology.primary())
     killed_at, killed_wall = time.monotonic(), time.time()
     old = topology.kill_primary()
     new = topology.wait_new_primary(old)
