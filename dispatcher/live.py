@@ -108,7 +108,8 @@ def _bump(into: dict[int, int], value: float) -> None:
 
 @dataclass(slots=True)
 class _Counts:
-    """One provider x model's calls since the last flush (``wire.LiveTally`` once taken)."""
+    """Calls and their histograms: one provider x model's since the last flush (a worker's
+    ``Tallies``, ``wire.LiveTally`` once taken), or a window's buckets summed (the catalog)."""
 
     requests: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -130,13 +131,24 @@ class _Counts:
         if tokens > 0 and generating > 0:
             _bump(self.tps, tokens * 1000 / generating)
 
-    def merge(self, other: wire.LiveTally) -> None:
+    def merge(self, other: wire.LiveTally | wire.LiveBucket | _Counts) -> None:
         self.requests += other.requests
-        for name in ("errors", "ttft", "e2e", "tps"):
-            _merge(getattr(self, name), getattr(other, name))
+        _merge(self.errors, other.errors)
+        _merge(self.ttft, other.ttft)
+        _merge(self.e2e, other.e2e)
+        _merge(self.tps, other.tps)
 
     def tally(self) -> wire.LiveTally:
         return wire.LiveTally(self.requests, self.errors, self.ttft, self.e2e, self.tps)
+
+    def view(self, uptime: float | None) -> LiveView:
+        def pct(h: dict[int, int]) -> Percentiles | None:
+            if not h:
+                return None
+            return Percentiles(cast(float, percentile(h, 0.5)), cast(float, percentile(h, 0.9)))
+
+        return LiveView(self.requests, dict(sorted(self.errors.items())), pct(self.ttft), pct(self.e2e),
+                        percentile(self.tps, 0.5) if self.tps else None, uptime)
 
 
 class Tallies:
@@ -146,12 +158,15 @@ class Tallies:
     def __init__(self) -> None:
         self._pairs: dict[tuple[str, str], _Counts] = {}
 
+    def _of(self, pair: tuple[str, str]) -> _Counts:
+        counts = self._pairs.get(pair)
+        if counts is None:
+            counts = self._pairs[pair] = _Counts()
+        return counts
+
     def add(self, provider: str, model: str, sample: LiveSample, tokens: int = 0) -> None:
         """One finished call; ``tokens``: the completion tokens it generated."""
-        counts = self._pairs.get((provider, model))
-        if counts is None:
-            counts = self._pairs[(provider, model)] = _Counts()
-        counts.add(sample, tokens)
+        self._of((provider, model)).add(sample, tokens)
 
     def take(self) -> dict[tuple[str, str], wire.LiveTally]:
         """Everything tallied, to flush; the tallies start again empty."""
@@ -161,10 +176,7 @@ class Tallies:
     def put_back(self, taken: dict[tuple[str, str], wire.LiveTally]) -> None:
         """A flush that did not reach Redis: its tallies wait for the next one."""
         for pair, tally in taken.items():
-            counts = self._pairs.get(pair)
-            if counts is None:
-                counts = self._pairs[pair] = _Counts()
-            counts.merge(tally)
+            self._of(pair).merge(tally)
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -191,33 +203,6 @@ def _merge(into: dict[Any, int], more: dict[Any, int]) -> None:
         into[k] = into.get(k, 0) + v
 
 
-@dataclass(slots=True)
-class _Sum:
-    requests: int = 0
-    errors: dict[str, int] | None = None
-    ttft: dict[int, int] | None = None
-    e2e: dict[int, int] | None = None
-    tps: dict[int, int] | None = None
-
-    def add(self, b: wire.LiveBucket) -> None:
-        self.requests += b.requests
-        for name in ("errors", "ttft", "e2e", "tps"):
-            current = getattr(self, name)
-            if current is None:
-                current = {}
-                setattr(self, name, current)
-            _merge(current, getattr(b, name))
-
-    def view(self, uptime: float | None) -> LiveView:
-        def pct(h: dict[int, int] | None) -> Percentiles | None:
-            if not h:
-                return None
-            return Percentiles(cast(float, percentile(h, 0.5)), cast(float, percentile(h, 0.9)))
-
-        return LiveView(self.requests, dict(sorted((self.errors or {}).items())), pct(self.ttft), pct(self.e2e),
-                        percentile(self.tps, 0.5) if self.tps else None, uptime)
-
-
 def bucket_fields() -> list[str]:
     """Every field of a pair's hash (each window's buckets)."""
     return [f"{name}:{slot}" for name, _, count in WINDOWS for slot in range(count)]
@@ -228,17 +213,17 @@ def in_window(at: int, now_ms: int, length: int, count: int) -> bool:
     return current - count < at <= current
 
 
-def windows_of(raw: Iterable[bytes | None], now_ms: int) -> dict[str, _Sum]:
+def windows_of(raw: Iterable[bytes | None], now_ms: int) -> dict[str, _Counts]:
     """A pair's buckets (``bucket_fields`` order) summed per window."""
     values = list(raw)
-    out: dict[str, _Sum] = {}
+    out: dict[str, _Counts] = {}
     i = 0
     for name, length, count in WINDOWS:
-        total = _Sum()
+        total = _Counts()
         for value in values[i:i + count]:
             bucket = wire.live_bucket(value) if value else None
             if bucket is not None and in_window(bucket.at, now_ms, length, count):
-                total.add(bucket)
+                total.merge(bucket)
         out[name] = total
         i += count
     return out
@@ -281,7 +266,7 @@ async def read_live(redis: Redis, pairs: list[tuple[str, str]], hashes: dict[str
         for provider, model in pairs:
             pipe.hmget(keys.live(provider, model), fields)
         replies: list[list[bytes | None]] = await pipe.execute()
-    sums: dict[str, dict[str, dict[str, _Sum]]] = {}
+    sums: dict[str, dict[str, dict[str, _Counts]]] = {}
     for (provider, model), raw in zip(pairs, replies, strict=True):
         sums.setdefault(provider, {})[model] = windows_of(raw, now_ms)
     out: dict[str, ProviderLive] = {}
@@ -289,16 +274,9 @@ async def read_live(redis: Redis, pairs: list[tuple[str, str]], hashes: dict[str
         uptime = uptime_of(hashes.get(provider, {}), now_ms)
         total: dict[str, LiveView] = {}
         for name, _, _ in WINDOWS:
-            whole = _Sum()
+            whole = _Counts()
             for per_window in models.values():
-                s = per_window[name]
-                whole.requests += s.requests
-                for attr in ("errors", "ttft", "e2e", "tps"):
-                    part = getattr(s, attr)
-                    if part:
-                        if getattr(whole, attr) is None:
-                            setattr(whole, attr, {})
-                        _merge(getattr(whole, attr), part)
+                whole.merge(per_window[name])
             total[name] = whole.view(uptime[name])
         out[provider] = ProviderLive(total, {m: {n: w[n].view(uptime[n]) for n, _, _ in WINDOWS}
                                              for m, w in models.items()})
