@@ -150,11 +150,11 @@ class Stack:
         }
         return {kind: ids for kind, ids in found.items() if ids}
 
-    def logs(self, tail: int = 40) -> str:
+    def logs(self, tail: int = 40, timestamps: bool = False) -> str:
         out = []
         for name in self.containers():
-            done = subprocess.run(["podman", "logs", "--tail", str(tail), name], env=ENV, capture_output=True,
-                                  text=True, timeout=60)
+            done = subprocess.run(["podman", "logs", "--tail", str(tail), *(["--timestamps"] if timestamps else []),
+                                   name], env=ENV, capture_output=True, text=True, timeout=60)
             out.append(f"----- {name}\n{done.stdout}{done.stderr}")
         return "\n".join(out)
 

@@ -42,7 +42,7 @@ CHAT = {"model": "qwen3.6:35b", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -53,7 +53,6 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     with (state / "test.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         running = Stack(f"iop-test-{os.getpid()}", free_port(), log_dir)
-        failed_before = request.session.testsfailed
         try:
             running.up()
             yield running
@@ -61,12 +60,21 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             print(running.logs())
             raise
         finally:
-            # A failed test does not raise in here: keep the containers' logs for it too,
-            # before down removes them.
-            if request.session.testsfailed > failed_before:
-                (log_dir / "containers.log").write_text(running.logs(tail=400))
-                print(f"the containers' logs: {log_dir / 'containers.log'}")
             running.down()
+
+
+@pytest.fixture(autouse=True)
+def logs_of_a_failure(request: pytest.FixtureRequest, stack: Stack) -> Iterator[None]:
+    """The containers' logs when a test fails, taken at once: the module's last test brings
+    the stack down, so by the module's teardown there are none left to read. Printed (a
+    failed test's output is all a CI run keeps) and written beside the compose logs."""
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        logs = stack.logs(tail=400, timestamps=True)
+        path = stack.log_dir / f"{request.node.name}.containers.log"
+        path.write_text(logs)
+        print(f"the containers' logs ({path}):\n{logs}")
 
 
 def _sse_data(text: str) -> list[str]:

@@ -122,15 +122,29 @@ class ProviderState:
     async def _probe_and_heartbeat(self, provider_id: str) -> None:
         self._next_probe[provider_id] = 0.0
         self._next_busy_probe[provider_id] = 0.0
+        ttl_s = self._dispatch.heartbeat_ttl_ms / 1000
+        failing_since: float | None = None
         while True:
             # Made before the probe and the heartbeat: a wake-up asked during them is kept.
             self._wake[provider_id] = wake = anyio.Event()
-            if time.monotonic() >= self._next_probe[provider_id]:
+            began = time.monotonic()
+            if began >= self._next_probe[provider_id]:
                 await self._probe(provider_id)
             try:
                 await self._heartbeat(provider_id)
             except RedisError as exc:
                 log.warning("heartbeat of %s failed: %s", provider_id, exc)
+                failing_since = began if failing_since is None else failing_since
+            else:
+                # Said when it ends, so that a log shows how long the provider went unpublished.
+                if failing_since is not None:
+                    log.info("heartbeats of %s land again, %.1f s after the first that failed", provider_id,
+                             time.monotonic() - failing_since)
+                    failing_since = None
+            # A turn this long lets the heartbeat expire: the provider looks silent to every router.
+            took = time.monotonic() - began
+            if took > ttl_s / 2:
+                log.warning("probe and heartbeat of %s took %.1f s (heartbeat TTL %.1f s)", provider_id, took, ttl_s)
             with anyio.move_on_after(self._dispatch.heartbeat_interval_ms / 1000):
                 await wake.wait()
 

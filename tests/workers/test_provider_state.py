@@ -10,6 +10,8 @@ its ``in_flight`` in Redis, or through a run of this worker.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError
 
 from dispatcher import keys
 from dispatcher.config import Config, ProviderConfig, parse
@@ -65,11 +68,14 @@ def provider(pid: str, url: str = "http://127.0.0.1:9", provider_type: str = "op
 
 
 class Counting(Adapter):
-    """Answers its probes with ``result`` (and ``busy_result`` while busy), counting them."""
+    """Answers its probes with ``result`` (and ``busy_result`` while busy), counting them; a
+    whole probe takes ``delay_s``."""
 
-    def __init__(self, provider: ProviderConfig, result: ProbeResult, busy_result: ProbeResult | None = None) -> None:
+    def __init__(self, provider: ProviderConfig, result: ProbeResult, busy_result: ProbeResult | None = None,
+                 delay_s: float = 0.0) -> None:
         super().__init__(provider)
         self.result = result
+        self.delay_s = delay_s
         self.busy_result = busy_result
         self.probes = 0
         self.busy_probes = 0
@@ -79,6 +85,7 @@ class Counting(Adapter):
 
     async def probe(self, timeout_s: float) -> ProbeResult:
         self.probes += 1
+        await anyio.sleep(self.delay_s)
         return self.result
 
     async def probe_while_busy(self, timeout_s: float) -> ProbeResult | None:
@@ -198,6 +205,43 @@ async def test_a_provider_failing_its_probe_is_unavailable_until_it_passes_again
     assert "503" in found["reason"]
     options.healthy = True
     await p.health_is("p", "available")
+
+
+async def test_heartbeats_that_fail_are_logged_until_one_lands_again(
+    publish: Publishing, redis_server: RedisServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config(redis_server.url, provider("p"))
+    p = await publish(cfg, {"p": Counting(cfg.nodes[0].providers[0], ProbeResult(True))})
+    await p.heartbeats("p", 1)
+    real = p.side.heartbeat
+    away = True
+
+    async def heartbeat(*args: Any) -> int:
+        if away:
+            raise ConnectionError("Redis away")
+        landed: int = await real(*args)
+        return landed
+
+    caplog.set_level(logging.INFO, "iop.worker")
+    monkeypatch.setattr(p.side, "heartbeat", heartbeat)
+    await eventually(lambda: caplog.text.count("heartbeat of p failed: Redis away") >= 2, what="failures logged")
+    assert "land again" not in caplog.text
+    away = False
+    await p.heartbeats("p", 1)
+    await eventually(lambda: re.search(r"heartbeats of p land again, [0-9.]+ s after the first that failed",
+                                       caplog.text), what="the recovery logged")
+
+
+async def test_a_turn_that_outlasts_half_the_heartbeat_ttl_is_logged(
+    publish: Publishing, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "iop.worker")
+    cfg = make_config(redis_server.url, provider("p"))
+    slow = Counting(cfg.nodes[0].providers[0], ProbeResult(True), delay_s=1.2)  # the heartbeat TTL here is 2 s
+    p = await publish(cfg, {"p": slow})
+    await p.heartbeats("p", 1)
+    await eventually(lambda: re.search(r"probe and heartbeat of p took 1\.[2-9] s \(heartbeat TTL 2\.0 s\)",
+                                       caplog.text), what="the slow turn logged")
 
 
 async def test_a_busy_provider_gets_only_its_harmless_probe(publish: Publishing, redis_server: RedisServer,
