@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import msgspec
 
 from dispatcher import keys, wire
-from dispatcher.config import Config, ModelConfig
+from dispatcher.config import AUTO_LOAD_FLOOR, FIXED_LOAD_FLOOR, Config, ModelConfig
 from dispatcher.tenants import bands, flow_control
 
 
@@ -103,7 +103,10 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         aff = model.affinity
         if aff.mode != "off":
             spec = msgspec.structs.replace(
-                spec, load_bound=aff.load_bound, load_floor=aff.load_floor, index=pos(keys.affinity(model.id)),
+                spec, load_bound=aff.load_bound,
+                load_floor=FIXED_LOAD_FLOOR if aff.load_floor is None else aff.load_floor,
+                load_floor_auto=AUTO_LOAD_FLOOR if aff.load_floor is None else aff.load_floor,
+                index=pos(keys.affinity(model.id)),
                 recency=pos(keys.affinity_recency(model.id)),
                 footprint=pos(keys.affinity_footprint(model.id)), index_max=aff.index_max_blocks,
                 index_ttl_ms=aff.index_ttl_s * 1000, look_ahead=aff.look_ahead, max_wait_ms=aff.max_wait_ms,

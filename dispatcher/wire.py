@@ -91,7 +91,8 @@ class LaneSpec(msgspec.Struct, frozen=True):
     # the model's index (block -> providers that served it), of its recency (block -> last
     # use ms) and of its footprint (provider -> blocks it holds), and the index's bounds.
     load_bound: float = 0.0
-    load_floor: float = 0.0
+    load_floor: float = 0.0  # for a provider of fixed capacity
+    load_floor_auto: float = 0.0  # for one whose capacity is learned (`capacity_mode` auto)
     index: int = 0
     recency: int = 0
     footprint: int = 0

@@ -19,9 +19,11 @@ pool shape before validation.
 
 from dispatcher.config.loading import Loaded, load, normalise_base_url, parse, read_document
 from dispatcher.config.schema import (
+    AUTO_LOAD_FLOOR,
     CATEGORIES,
     DEFAULT_CATEGORY,
     DEFAULT_TENANT,
+    FIXED_LOAD_FLOOR,
     HTTP_TYPES,
     PROVIDER_TYPES,
     QUALIFY_TENANT,
@@ -46,9 +48,11 @@ from dispatcher.config.schema import (
 from dispatcher.config.validation import secrets_in_file, validate
 
 __all__ = [
+    "AUTO_LOAD_FLOOR",
     "CATEGORIES",
     "DEFAULT_CATEGORY",
     "DEFAULT_TENANT",
+    "FIXED_LOAD_FLOOR",
     "HTTP_TYPES",
     "PROVIDER_TYPES",
     "QUALIFY_TENANT",

@@ -252,6 +252,11 @@ class EjectionConfig(_Base, frozen=True):
     max_ejected_percent: Annotated[int, msgspec.Meta(ge=0, le=100)] = 50
 
 
+# affinity.load_floor when the config sets none, by the provider's capacity mode.
+FIXED_LOAD_FLOOR = 0.5
+AUTO_LOAD_FLOOR = 1.0
+
+
 class AffinityConfig(_Base, frozen=True):
     """Cache-aware dispatch of a model group (``lua/lib/pump.lua`` affine; docs/DESIGN.md).
 
@@ -268,7 +273,11 @@ class AffinityConfig(_Base, frozen=True):
     # ... except that a provider at most this loaded (in_flight / capacity with the request)
     # is never over the bound: at low load the mean is a request or two, and a home that
     # is half idle has room for its own prompts (a miss costs the whole prefill elsewhere).
-    load_floor: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.5
+    # Unset: FIXED_LOAD_FLOOR for a provider of fixed capacity, which may be set above what
+    # its server runs at once (then the bound must act before it is full), and
+    # AUTO_LOAD_FLOOR for `capacity: auto`, whose limit is where its engine starts to queue:
+    # a free slot under it is one the engine runs at once, and a hit belongs there.
+    load_floor: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     # The index of which provider served which prompt blocks (per model group): at most this
     # many blocks, and none unused for longer than index_ttl_s (oldest forgotten first).
     index_max_blocks: Annotated[int, msgspec.Meta(ge=16, le=10_000_000)] = 200_000

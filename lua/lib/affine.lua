@@ -4,7 +4,8 @@
 -- home first, then second homes in the order they were made. The job goes to the first
 -- holder of the longest head that may run it, has a free slot and is within the load
 -- bound: its load ratio with this job at most lane.load_bound x the lane's mean, (inf + 1)
--- / cap <= bound x (sum inf + 1) / (sum cap), or at most lane.load_floor; with none free,
+-- / cap <= bound x (sum inf + 1) / (sum cap), or at most lane.load_floor (load_floor_auto for
+-- a provider whose capacity is learned: its limit is where its engine queues); with none free,
 -- to the first of them with room in its home queue (lib/home_room.lua: lane.home_queue).
 -- A holder within the bound but busy is waited for while `patient` (the job has not waited
 -- lane.max_wait_ms for it): 'spill' with busy = true, and the caller holds the job. A head
@@ -35,7 +36,7 @@ local function affine(ctx, lane, rec, default, patient)
   -- bounded loads, capacity-weighted).
   local function bounded(s)
     return s.inf + 1 <= math.max(math.ceil(lane.load_bound * (total_inf + 1) * s.cap / total_cap - 1e-9),
-                                 math.floor(lane.load_floor * s.cap + 1e-9))
+                                 math.floor((s.auto and lane.load_floor_auto or lane.load_floor) * s.cap + 1e-9))
   end
   local spilled, busy = false, false
   for i = #rec.blocks, 1, -1 do

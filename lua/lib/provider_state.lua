@@ -11,16 +11,17 @@
 --   firm     nothing goes past cap, not even to a home's queue (lib/home_room.lua): it is on
 --            trial, or a rate limit holds it
 --   svc      the median time of its recent calls, ms (svc_ms, lua/capacity.lua; 0: unknown)
+--   auto     its capacity is learned (capacity_mode 'auto'): cap is where its engine queues
 --!include lib/takes_work.lua
 
 local function provider_state(ctx, pkey)
   local s = ctx.providers[pkey]
   if s == nil then
     local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'in_flight', 'ext',
-                         'hold_until', 'ej_until', 'ej_trial', 'svc_ms')
+                         'hold_until', 'ej_until', 'ej_trial', 'svc_ms', 'capacity_mode')
     local now = ctx.now
     s = {ok = takes_work(v, now), cap = tonumber(v[3]) or 0, inf = (tonumber(v[5]) or 0) + (tonumber(v[6]) or 0),
-         ejected = false, firm = false, svc = tonumber(v[10]) or 0}
+         ejected = false, firm = false, svc = tonumber(v[10]) or 0, auto = v[11] == 'auto'}
     if v[9] == '1' then
       if (tonumber(v[8]) or 0) > now then
         s.ejected = true

@@ -158,12 +158,20 @@ async def test_a_head_spills_at_the_load_bound_and_gains_a_second_home(any_redis
     assert await h.footprints() == {home: n - 1 + 4, other: n + 1}
 
 
-@pytest.mark.parametrize(("load_floor", "at_home"), [(0.5, 4), (0.25, 2), (0.0, 1)])
-async def test_a_half_idle_home_is_never_over_the_bound(any_redis: Redis, load_floor: float, at_home: int) -> None:
+@pytest.mark.parametrize(("mode", "load_floor", "at_home"), [
+    ("fixed", None, 4), ("fixed", 0.5, 4), ("fixed", 0.25, 2), ("fixed", 0.0, 1), ("fixed", 1.0, 8),
+    ("auto", None, 8), ("auto", 0.5, 4), ("auto", 0.0, 1),
+])
+async def test_a_half_idle_home_is_never_over_the_bound(any_redis: Redis, mode: str, load_floor: float | None,
+                                                        at_home: int) -> None:
     # Four idle providers: the mean is a request or two, and bound 1.25 alone spills a
-    # head's second request ((1+1)/8 > 1.25 x (1+1)/32). Up to load_floor x capacity (0.5
-    # x 8 = 4 by default) the home takes it.
-    h = await started(any_redis, affine_config({"a": 8, "b": 8, "c": 8, "d": 8}, load_floor=load_floor))
+    # head's second request ((1+1)/8 > 1.25 x (1+1)/32). Up to load_floor x capacity the
+    # home takes it: by default 0.5 x 8 = 4 for a fixed capacity, and the whole limit for a
+    # learned one (capacity_mode auto: its limit is where its engine starts to queue).
+    affinity = {} if load_floor is None else {"load_floor": load_floor}
+    h = await started(any_redis, affine_config({"a": 8, "b": 8, "c": 8, "d": 8}, **affinity))
+    for pid in "abcd":
+        await any_redis.hset(keys.provider(pid), "capacity_mode", mode)
     doc = TENANT_DOCS["d"]
     placed = [(await h.send(chat(doc, f"q{i}")))[1] for i in range(at_home + 1)]
     assert placed[:at_home] == [placed[0]] * at_home, placed
