@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anthropic
 import httpx
@@ -105,15 +106,23 @@ def refusals(system: System, tenant: str) -> int:
 def test_the_openai_sdk_backs_off_on_the_429_and_then_succeeds(system: System) -> None:
     exhaust(system, "sdk-openai")
     before = refusals(system, "sdk-openai")
+    # What the SDK sent and got, in order: it must be refused, then wait what the 429 told it.
+    seen: list[tuple[float, Any]] = []
+    hooks = {"request": [lambda _: seen.append((time.monotonic(), None))],
+             "response": [lambda r: seen.append((time.monotonic(), r))]}
     client = openai.OpenAI(base_url=f"{system.api_url_of('api-2')}/v1", api_key=key("sdk-openai"), max_retries=2,
-                           timeout=30)
-    started = time.monotonic()
+                           timeout=30, http_client=openai.DefaultHttpxClient(event_hooks=hooks))
     raw = client.chat.completions.with_raw_response.create(
         model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert raw.parse().choices[0].message.content
     # It was refused first (20 a minute: one each 3 s), and waited as told before it tried again.
     assert refusals(system, "sdk-openai") > before
-    assert time.monotonic() - started >= 1
+    answers = [(at, r) for at, r in seen if r is not None]
+    refused_at, refused = next((at, r) for at, r in answers if r.status_code == 429)
+    retried_at = next(at for at, r in seen if r is None and at > refused_at)
+    told_s = int(refused.headers["retry-after-ms"]) / 1000
+    assert 0 < told_s <= 3
+    assert retried_at - refused_at >= told_s
     assert raw.headers["x-ratelimit-remaining-requests"] == "0"
 
 
