@@ -50,5 +50,5 @@ class CancelListener:
                 log.warning("cancel channel lost: %s", exc)
             finally:
                 with anyio.CancelScope(shield=True):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in older redis-py
             await backoff.sleep()
