@@ -170,11 +170,16 @@ class LimitController:
 
     def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool, excess: int) -> Change | None:
         """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
-        request that arrived during a step waits for the next one, and SGLang refreshes its
-        gauges only now and then; those are not a knee. Nor does the part of it that is iop's
-        own ``excess`` over the limit: those wait there by design, or until they are done."""
+        request that arrived during a step waits for the next one; that is not a knee. An
+        engine that sets its gauges only at events it logs (SGLang) is taken at its latest
+        word instead: each of its values is what was left queued after it scheduled, and the
+        one set as a prefill batch forms is taken just as the queue's head left the queue, so
+        a limit one over its batch shows a queue only in the readings between those. Nor does
+        the part of a queue that is iop's own ``excess`` over the limit count: those wait
+        there by design, or until they are done."""
         waits = [r.waiting or 0 for r in window]
-        beyond = min(waits) - excess
+        queued = waits[-1] if window[-1].at_events else min(waits)
+        beyond = queued - excess
         if beyond > 0:
             # What the engine runs at most while it queues, and iop's share of the queue: the
             # limit falls to the one or by the other, whichever moves it less (a stale
@@ -186,10 +191,10 @@ class LimitController:
                 # not run one: what stopped it is its batch cap, not memory.
                 free = _kv_free_for(window)
                 capped = free is not None and free >= 1 and target == running
-                return self._fall(now, target, f"engine queue {min(waits)} at {running} running"
+                return self._fall(now, target, f"engine queue {queued} at {running} running"
                                   + (f" (its KV had room for {free} more: a batch cap)" if capped else ""), capped)
             return None
-        if min(waits) > 0:
+        if queued > 0:
             return None  # all of it iop's own excess
         if any(r.kv_usage is not None and r.kv_usage >= KV_FULL for r in window):
             return None

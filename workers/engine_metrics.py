@@ -8,7 +8,9 @@ auto``, and load iop does not send: workers/capacity.py).
 | llamacpp | ``llamacpp:requests_processing`` | ``llamacpp:requests_deferred`` | (none)                      |
 
 All from ``GET /metrics``. vLLM before 0.10 names its KV use ``vllm:gpu_cache_usage_perc``;
-SGLang publishes metrics with ``--enable-metrics``, llama-server with ``--metrics``.
+SGLang publishes metrics with ``--enable-metrics``, llama-server with ``--metrics``. vLLM sets
+its gauges at every step and llama-server counts at every scrape; SGLang sets them only when
+it logs its stats (``EngineLoad.at_events``), which the controller reads otherwise.
 
 Every one of these is answered outside the engine's request path (a Prometheus exposition
 the server renders from counters it keeps), so it never disturbs generation. Other types
@@ -44,6 +46,9 @@ class EngineLoad(msgspec.Struct, frozen=True):
     waiting: int | None
     kv_usage: float | None
     at: float  # time.monotonic() when read
+    # The engine sets these only at events it logs (SGLang: as a prefill batch forms, and every
+    # 40th decoding step), not at every step: a reading may repeat one for a second or more.
+    at_events: bool = False
 
     def age_s(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.at
@@ -57,13 +62,14 @@ class MetricNames:
     running: tuple[str, ...]
     waiting: tuple[str, ...]
     kv_usage: tuple[str, ...]
+    at_events: bool = False  # gauges set at logged events only (EngineLoad.at_events)
 
 
 SOURCES: dict[str, MetricNames] = {
     "vllm": MetricNames("/metrics", ("vllm:num_requests_running",), ("vllm:num_requests_waiting",),
                         ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
     "sglang": MetricNames("/metrics", ("sglang:num_running_reqs",), ("sglang:num_queue_reqs",),
-                          ("sglang:token_usage",)),
+                          ("sglang:token_usage",), at_events=True),
     "llamacpp": MetricNames("/metrics", ("llamacpp:requests_processing",), ("llamacpp:requests_deferred",),
                             ("llamacpp:kv_cache_usage_ratio",)),
 }
@@ -121,7 +127,7 @@ def parse(text: bytes, names: MetricNames, at: float) -> EngineLoad | None:
     kv = first_of(text, names.kv_usage)
     return EngineLoad(running=None if running is None else round(running),
                       waiting=None if waiting is None else round(waiting),
-                      kv_usage=None if kv is None else min(max(kv, 0.0), 1.0), at=at)
+                      kv_usage=None if kv is None else min(max(kv, 0.0), 1.0), at=at, at_events=names.at_events)
 
 
 class EngineMetrics:

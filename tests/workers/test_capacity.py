@@ -13,6 +13,7 @@ from workers.capacity import (
     HOLD_S,
     TICK_S,
     CallSample,
+    Change,
     FirstTokens,
     LimitController,
     RateLimits,
@@ -22,8 +23,8 @@ from workers.capacity import (
 from workers.engine_metrics import EngineLoad
 
 
-def engine(running: int, waiting: int, kv: float | None = None, at: float = 0.0) -> EngineLoad:
-    return EngineLoad(running=running, waiting=waiting, kv_usage=kv, at=at)
+def engine(running: int, waiting: int, kv: float | None = None, at: float = 0.0, at_events: bool = False) -> EngineLoad:
+    return EngineLoad(running=running, waiting=waiting, kv_usage=kv, at=at, at_events=at_events)
 
 
 class Clock:
@@ -39,6 +40,17 @@ def read(ctl: LimitController, now: float, running: int, waiting: int, kv: float
     """Two readings of the engine in a tick, as the worker makes them (every 250 ms while busy)."""
     for at in (now - TICK_S / 2, now):
         ctl.note_engine(engine(running, waiting, kv, at=at))
+
+
+def tick_on(ctl: LimitController, clock: Clock, in_flight: int, first: tuple[int, int], then: tuple[int, int],
+            at_events: bool = False) -> Change | None:
+    """A tick after two readings of (running, waiting), half a tick apart, with iop's
+    ``in_flight`` there and a backlog waiting."""
+    now = clock.step()
+    ctl.note_in_flight(in_flight)
+    ctl.note_engine(engine(*first, at=now - TICK_S / 2, at_events=at_events))
+    ctl.note_engine(engine(*then, at=now, at_events=at_events))
+    return ctl.tick(now, backlog=True, external=0)
 
 
 def run_engine(ctl: LimitController, clock: Clock, batch: int, ticks: int, external: int = 0,
@@ -259,19 +271,35 @@ def test_a_queue_that_comes_and_goes_is_not_a_knee() -> None:
     clock = Clock()
     ctl = LimitController.starting(1, 64, start=6)
     for _ in range(10):
-        now = clock.step()
-        ctl.note_in_flight(6)
-        ctl.note_engine(engine(5, 1, at=now - TICK_S / 2))
-        ctl.note_engine(engine(5, 0, at=now))
-        ctl.tick(now, backlog=True, external=0)
+        tick_on(ctl, clock, 6, (5, 1), (5, 0))
     assert ctl.limit == 6  # no fall; and no rise without a reading that ran all six
     # One reading that ran all of them with nothing queued proves the limit: it rises.
-    now = clock.step()
-    ctl.note_in_flight(6)
-    ctl.note_engine(engine(5, 1, at=now - TICK_S / 2))
-    ctl.note_engine(engine(6, 0, at=now))
-    assert ctl.tick(now, backlog=True, external=0) is not None
+    assert tick_on(ctl, clock, 6, (5, 1), (6, 0)) is not None
     assert ctl.limit > 6
+
+
+@pytest.mark.parametrize("at_events", [True, False])
+def test_gauges_set_at_events_are_taken_at_their_latest_word(at_events: bool) -> None:
+    # A limit of 5 on a batch of 4. SGLang sets its gauges as a prefill batch forms -- the
+    # queue's head has just left the queue: 3 running (those before it), none waiting -- and
+    # every 40th decoding step, when iop's fifth waits: 4 running, 1 waiting. Readings of
+    # gauges set at every step (vLLM) that alternated so would be a request arriving mid-step.
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=5)
+    for _ in range(6):
+        tick_on(ctl, clock, 5, (3, 0), (4, 1), at_events)
+    if at_events:
+        assert ctl.limit == 4
+        assert ctl.reason.startswith("engine queue 1 at 4 running")
+    else:
+        assert ctl.limit == 5
+
+
+def test_gauges_set_at_events_whose_latest_word_is_no_queue_hold() -> None:
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=5)
+    assert tick_on(ctl, clock, 5, (4, 1), (3, 0), at_events=True) is None
+    assert ctl.limit == 5
 
 
 def test_a_stale_running_count_does_not_drag_the_limit_down() -> None:

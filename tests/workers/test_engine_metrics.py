@@ -63,6 +63,14 @@ def test_sglang() -> None:
     load = parse(SGLANG, SOURCES["sglang"], at=1.0)
     assert load is not None
     assert (load.running, load.waiting, load.kv_usage) == (4, 2, 0.25)
+    assert load.at_events  # set as it logs its stats, not at every step
+
+
+def test_vllm_and_llama_server_set_their_gauges_at_every_step_or_scrape() -> None:
+    for text, kind in ((VLLM, "vllm"), (LLAMACPP, "llamacpp")):
+        load = parse(text, SOURCES[kind], at=1.0)
+        assert load is not None
+        assert not load.at_events
 
 
 def test_llama_server() -> None:
