@@ -127,6 +127,12 @@ class Stack:
     def exec(self, name: str, *argv: str, timeout: float = 60) -> str:
         return podman("exec", name, *argv, timeout=timeout)
 
+    def resolves(self, name: str, host: str) -> bool:
+        """Whether ``host`` resolves inside container ``name`` now (podman's aardvark-dns can
+        answer a name with a temporary failure for a moment)."""
+        self.exec(name, "python", "-c", f"import socket; socket.getaddrinfo({host!r}, None)", timeout=30)
+        return True
+
     def healthcheck(self, name: str) -> str:
         """Run the container's compose healthcheck once: '' when healthy, else what it said.
 

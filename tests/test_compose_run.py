@@ -159,7 +159,9 @@ def test_catalog_shows_both_nodes_providers(stack: Stack) -> None:
     assert sorted(n["id"] for n in catalog["nodes"]) == NODES
     assert {p["id"]: p["health"] for p in catalog["providers"]} == dict.fromkeys(PROVIDERS, "available")
 
-    # `iop catalog` from inside a container, through the load balancer by its service name.
+    # `iop catalog` from inside a container, through the load balancer by its service name
+    # (once the container's DNS answers that name: a CI run met a temporary failure there).
+    stack.wait_until("lb resolves in the api container", lambda: stack.resolves(stack.container("api"), "lb"))
     shown = stack.exec(stack.container("api"), "iop", "catalog", "--url", "http://lb:8080", "--no-colour")
     for provider, node in PROVIDERS.items():
         assert re.search(rf"\b{re.escape(provider)}\b", shown), shown
