@@ -66,7 +66,7 @@ EASED = 0.75  # after a fall, a gradient still this much of the one before: it w
 FIRST_TOKEN_MARGIN = 1.5  # a first token this many times the unqueued p90 late: the call waits
 MIN_SAMPLES = 3  # calls a latency verdict needs
 PENDING = 64  # calls kept for the next latency verdict at most
-PERSIST_S = 1.0  # an engine queue counts when every reading this long shows one
+PERSIST_S = 1.0  # an engine queue counts when every reading this long shows one (SGLang: the latest)
 WINDOW = 256  # calls the unqueued level is taken from
 UNQUEUED_QUANTILE = 0.2
 
