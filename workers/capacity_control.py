@@ -70,6 +70,7 @@ class ProviderLoad:
     first_tokens: FirstTokens = field(default_factory=FirstTokens)
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     shed: dict[str, int] = field(default_factory=dict)  # queue -> refusals counted at the last reading
+    refused: bool = False  # its lanes refused a request since the last tick
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
     moved: bool = False
@@ -231,8 +232,9 @@ class CapacityControl:
             # Requests refused since the last reading (load shedding, a full queue) were
             # demand too: shedding keeps the queue short, and would otherwise hold a low
             # limit low (a long predicted wait refusing all that would show it a backlog).
+            # Kept until the next tick: there are two readings to a tick.
             shed = {q: int(n or 0) for q, n in zip(queues, replies[-1], strict=True)}
-            backlog = backlog or any(n > load.shed.get(q, n) for q, n in shed.items())
+            load.refused = load.refused or any(n > load.shed.get(q, n) for q, n in shed.items())
             load.shed = shed
         now = time.monotonic()
         if reading is not None:
@@ -253,7 +255,8 @@ class CapacityControl:
                 if seen is not None:
                     ctl.note_engine(seen)
             if ctl.due(now):
-                change = ctl.tick(now, backlog, load.external)
+                change = ctl.tick(now, backlog or load.refused, load.external)
+                load.refused = False
                 if change is not None:
                     load.moved = True
                     log.info("capacity of %s: %s", pid, change.reason)
