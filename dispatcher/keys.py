@@ -103,7 +103,7 @@ FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
 AFFINITY_STATS = f"{PREFIX}:aff:stats"
-# Each lane's drain rate while it has a backlog (lua/lib/pump.lua note_drain), and, under
+# Each lane's drain rate while it has a backlog (lua/lib/drain_rate.lua note_drain), and, under
 # shed_field(queue), how many submits the queue refused for want of room or time.
 QUEUE_RATES = f"{PREFIX}:qrate"
 # The tenants' rate limits and budgets (lua/lib/limits.lua: r:/t:/d:/x: fields per tenant).

@@ -131,7 +131,7 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     # Cache-aware dispatch's counters: '<model>\t<hit|miss|spill>' -> decisions.
     affinity_stats: int = 0
     # Each lane's drain rate while it has a backlog (queue key -> 'block start ms|dispatches
-    # since|interval ms', lua/lib/pump.lua note_drain): how long a place in its queue takes
+    # since|interval ms', lua/lib/drain_rate.lua note_drain): how long a place in its queue takes
     # (deadlines, lua/submit.lua); and keys.shed_field(queue) -> its submits refused as full
     # or deadline_unmeetable.
     rates: int = 0

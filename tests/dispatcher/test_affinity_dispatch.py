@@ -1,4 +1,4 @@
-"""Cache-aware dispatch in the scripts (``lua/lib/pump.lua`` affine, remember), against a real
+"""Cache-aware dispatch in the scripts (``lua/lib/affine.lua``, ``remember.lua``), against a real
 Redis: a prompt's head stays with the provider that served it, within the load bound; a
 provider that cannot take work holds nothing; the index stays within its bounds; API
 replicas that never talk to each other agree, since the index is in Redis."""

@@ -100,7 +100,7 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(system: System) -> 
 
 
 def _drained(system: System) -> bool:
-    """Some queue's drain interval is known (lua/lib/pump.lua note_drain: '<start>|<n>|<interval>';
+    """Some queue's drain interval is known (lua/lib/drain_rate.lua note_drain: '<start>|<n>|<interval>';
     the hash's shed counters, keys.shed_field, are not intervals)."""
     return any(v.split(b"|")[2] for f, v in system.redis.hgetall(keys.QUEUE_RATES).items()
                if not f.endswith(b"|shed"))
