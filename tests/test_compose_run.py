@@ -188,9 +188,13 @@ def test_requests_are_answered_with_an_api_and_a_worker_killed(stack: Stack) -> 
 
 
 def _fake_control(stack: Stack, service: str, **options: int) -> dict[str, Any]:
-    """POST /_fake/control to a fake provider from inside the compose network; its options after."""
+    """POST /_fake/control to a fake provider from inside the compose network; its options after.
+    Podman's DNS can fail a name for a moment (a CI run met "Name or service not known" for a
+    fake right after the redis container restarted): the name resolves first."""
     url = next(p["base_url"] for p in CONFIGURED if urlsplit(p["base_url"]).hostname == service)
-    answer = stack.exec(stack.container("api"), "python", "-c",
+    api = stack.container("api")
+    stack.wait_until(f"{service} resolves in the api container", lambda: stack.resolves(api, service), timeout=60)
+    answer = stack.exec(api, "python", "-c",
                         "import sys, urllib.request; print(urllib.request.urlopen(urllib.request.Request(sys.argv[1], "
                         "data=sys.argv[2].encode(), headers={'content-type': 'application/json'}), timeout=10).read()"
                         ".decode())", f"http://{urlsplit(url).netloc}/_fake/control", json.dumps(options))
