@@ -69,8 +69,7 @@ class ProviderLoad:
     beyond: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=16))
     first_tokens: FirstTokens = field(default_factory=FirstTokens)
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
-    shed: dict[str, int] = field(default_factory=dict)  # queue -> refusals counted at the last reading
-    refused: bool = False  # its lanes refused a request since the last tick
+    shed: dict[str, int] = field(default_factory=dict)  # queue -> refusals counted at the last tick
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
     moved: bool = False
@@ -228,14 +227,7 @@ class CapacityControl:
             return True
         in_flight = int(replies[0] or 0)
         backlog = any(int(n) for n in replies[1:1 + len(queues)])
-        if queues:
-            # Requests refused since the last reading (load shedding, a full queue) were
-            # demand too: shedding keeps the queue short, and would otherwise hold a low
-            # limit low (a long predicted wait refusing all that would show it a backlog).
-            # Kept until the next tick: there are two readings to a tick.
-            shed = {q: int(n or 0) for q, n in zip(queues, replies[-1], strict=True)}
-            load.refused = load.refused or any(n > load.shed.get(q, n) for q, n in shed.items())
-            load.shed = shed
+        shed = {q: int(n or 0) for q, n in zip(queues, replies[-1], strict=True)} if queues else {}
         now = time.monotonic()
         if reading is not None:
             # What the engine runs and queues beyond iop's own requests there, at this reading.
@@ -255,8 +247,13 @@ class CapacityControl:
                 if seen is not None:
                     ctl.note_engine(seen)
             if ctl.due(now):
-                change = ctl.tick(now, backlog or load.refused, load.external)
-                load.refused = False
+                # Requests refused since the last tick (load shedding, a full queue) were demand
+                # too: shedding keeps the queue short, and would otherwise hold a low limit low
+                # (a long predicted wait refusing all that would show it a backlog). Counted
+                # from tick to tick, not reading to reading: there are two readings to a tick.
+                refused = any(n > load.shed.get(q, n) for q, n in shed.items())
+                load.shed = shed
+                change = ctl.tick(now, backlog or refused, load.external)
                 if change is not None:
                     load.moved = True
                     log.info("capacity of %s: %s", pid, change.reason)
