@@ -1,6 +1,6 @@
 """Throughput with many clients, the CPU it costs, and Redis round trips per request.
 
-    python -m bench.throughput [--clients 32] [--seconds 10] [--traced] [--litellm]
+    python -m bench.throughput [--clients 32] [--seconds 10] [--traced] [--litellm] [--client raw|aiohttp]
 
 One API process and one worker in front of one fast fake provider (capacity 64). For
 JSON answers and for 20-chunk streams: requests per second, CPU milliseconds per
@@ -18,9 +18,12 @@ scripts run inside Redis are not round trips. ``--verbose`` prints every command
 test``; one process, ``--num_workers 1``) in front of the same fake provider in the same run,
 its runs alternating with iop's, and adds the two ratios issue 31 sets goals on: iop's JSON
 throughput over LiteLLM's, and the API's CPU per JSON request over LiteLLM's. The load
-generator (this process, aiohttp) shares the 2 cores: its own CPU per request is shown, since
-it bounds iop's throughput (every process of iop's and the fake's share those cores) far more
-than LiteLLM's (one process, held to one core by its own CPU per request).
+generator (this process) shares the 2 cores: its own CPU per request is shown, since it
+bounds iop's throughput (every process of iop's and the fake's share those cores) far more
+than LiteLLM's (one process, held to one core by its own CPU per request). It is
+bench/loadgen.py (httptools on kept-alive connections); ``--client aiohttp`` uses aiohttp's
+client instead, the generator of the figures recorded before 2026-12-06, which spends
+several times as much per request.
 
 ``--traced`` turns tracing on (dispatcher/tracing.py): the API and the worker export every
 span over OTLP/HTTP to a receiver in this process that counts and discards them; the
@@ -42,6 +45,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
+from bench.loadgen import closed_loop
 from bench.stack import Stack, cpu_seconds, markdown_table, write_section
 from tests.realservers.servers import RealServer, start_litellm, unavailable
 
@@ -51,8 +55,24 @@ COMMAND = "python -m bench.throughput"
 CLIENT_COMMANDS = ("evalsha", "eval", "xreadgroup", "xread", "xadd")
 
 
-async def load(url: str, stream: bool, clients: int, seconds: float) -> tuple[int, float]:
-    body = json.dumps({"model": "bench", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
+LOADGEN = {"raw": "bench/loadgen.py: httptools on kept-alive connections", "aiohttp": "aiohttp's client"}
+
+
+def chat_body(stream: bool) -> bytes:
+    return json.dumps({"model": "bench", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+async def load(url: str, stream: bool, clients: int, seconds: float, client: str = "raw") -> tuple[int, float]:
+    """``clients`` closed-loop clients for ``seconds``: requests answered, seconds taken.
+    ``client``: ``raw`` (bench/loadgen.py) or ``aiohttp`` (this benchmark's generator until
+    2026-12-06, spending several times the CPU per request on the cores it shares)."""
+    if client == "raw":
+        return await closed_loop(url, chat_body(stream), clients, seconds)
+    return await aiohttp_load(url, stream, clients, seconds)
+
+
+async def aiohttp_load(url: str, stream: bool, clients: int, seconds: float) -> tuple[int, float]:
+    body = chat_body(stream)
     done = 0
     stop_at = 0.0
 
@@ -117,7 +137,7 @@ def median_run(runs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
 
 
 async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = False,
-               litellm: bool = False) -> str:
+               litellm: bool = False, client: str = "raw") -> str:
     rows, against = [], []
     with Stack({"a": ["--tokens", "20"]}) as stack:
         url = f"{stack.api_url}/v1/chat/completions"
@@ -129,7 +149,7 @@ async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = Fa
             other = start_litellm(stack.dir, litellm_config(stack.fake_url("a")))
         try:
             for stream in (False, True):
-                row, compared = await measure(stack, url, other, stream, clients, seconds, repeat, verbose)
+                row, compared = await measure(stack, url, other, stream, clients, seconds, repeat, verbose, client)
                 rows.append(row)
                 if compared is not None:
                     against.append(compared)
@@ -149,22 +169,22 @@ async def main(clients: int, seconds: float, repeat: int = 3, verbose: bool = Fa
 
 
 async def measure(stack: Stack, url: str, other: RealServer | None, stream: bool, clients: int, seconds: float,
-                  repeat: int, verbose: bool) -> tuple[list[str], list[str] | None]:
+                  repeat: int, verbose: bool, client: str = "raw") -> tuple[list[str], list[str] | None]:
     """One kind of request: iop's row, and with ``other`` (LiteLLM) the comparison's row, the
     two measured in alternating runs."""
     other_url = f"{other.url}/v1/chat/completions" if other is not None else ""
-    await load(url, stream, clients, min(2.0, seconds))  # warm-up
+    await load(url, stream, clients, min(2.0, seconds), client)  # warm-up
     if other is not None:
-        await load(other_url, stream, clients, min(2.0, seconds))
+        await load(other_url, stream, clients, min(2.0, seconds), client)
     runs, other_runs = [], []
     for _ in range(repeat):
         cpu0, cmd0, mine0 = stack.cpu(), stack.commandstats(), time.process_time()
-        n, elapsed = await load(url, stream, clients, seconds)
+        n, elapsed = await load(url, stream, clients, seconds, client)
         runs.append((n / elapsed, n, elapsed, cpu0, stack.cpu(), cmd0, stack.commandstats(),
                      time.process_time() - mine0))
         if other is not None:
             fake0, own0, mine0 = stack.cpu()["fake-a"], cpu_seconds(other.proc.pid), time.process_time()
-            m, took = await load(other_url, stream, clients, seconds)
+            m, took = await load(other_url, stream, clients, seconds, client)
             other_runs.append((m / took, m, took, stack.cpu()["fake-a"] - fake0, cpu_seconds(other.proc.pid) - own0,
                                time.process_time() - mine0))
     _, n, elapsed, cpu0, cpu1, cmd0, cmd1, mine = median_run(runs)
@@ -205,6 +225,9 @@ if __name__ == "__main__":
                         help="LiteLLM's proxy in front of the same fake provider, in alternating runs")
     parser.add_argument("--traced", action="store_true",
                         help="tracing on, every span exported (OTLP/HTTP) to a receiver here that discards it")
+    parser.add_argument("--client", choices=("raw", "aiohttp"), default="raw",
+                        help="the load generator: raw (bench/loadgen.py, the default) or aiohttp (the one used "
+                             "until 2026-12-06, for comparison with older figures)")
     args = parser.parse_args()
     uvloop.install()
     receiver = None
@@ -212,21 +235,24 @@ if __name__ == "__main__":
         receiver = DiscardingReceiver()
         # The stack's processes inherit it; the batch schedule is the SDK's default (5 s, 512 spans).
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
-    table = asyncio.run(main(args.clients, args.seconds, args.repeat, args.verbose, args.litellm))
+    table = asyncio.run(main(args.clients, args.seconds, args.repeat, args.verbose, args.litellm, args.client))
     print(table)
     notes = (f"{args.clients} concurrent clients (keep-alive), {args.repeat} runs of {args.seconds:g} s per row "
              "(the median run shown), one API process, one worker, one fake provider answering at once; "
-             "the load generator and the fake provider share the same 2 cores.\n")
+             f"the load generator ({LOADGEN[args.client]}) and the fake provider share the same 2 cores.\n")
+    client_arg = "" if args.client == "raw" else f" --client {args.client}"
     if args.litellm:
         notes += ("The second table: LiteLLM's proxy (one process) in front of the same fake provider, its runs "
                   "alternating with iop's in the same run; each ratio is of the median runs.\n")
         write_section("throughput-litellm", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g} "
-                      f"--repeat {args.repeat} --litellm", table, notes)
+                      f"--repeat {args.repeat} --litellm{client_arg}", table, notes)
     elif receiver is None:
-        write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}", table, notes)
+        write_section("throughput", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g}{client_arg}",
+                      table, notes)
     else:
         print(f"spans received: {receiver.spans:,}")
         notes += (f"Tracing on: every request's three spans exported over OTLP/HTTP to a receiver in the load "
                   f"generator's process that discards them ({receiver.spans:,} spans received).\n")
-        write_section("throughput-traced", f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g} --traced",
+        write_section("throughput-traced",
+                      f"{COMMAND} --clients {args.clients} --seconds {args.seconds:g} --traced{client_arg}",
                       table, notes)
