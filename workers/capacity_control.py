@@ -133,6 +133,20 @@ class CapacityControl:
         if load.rate_limits.answered(status, headers):
             load.published = None  # publish at the next read
 
+    def provider_back(self, provider_id: str, slots: int | None) -> None:
+        """The provider is available again after being down (workers/provider_state.py): its
+        learned limit starts over from where it is, or from new slots (``LimitController.restarted``);
+        ``slots``: what its probe found the engine runs at once, where it says."""
+        load = self.loads.get(provider_id)
+        if load is None or load.controller is None:
+            return
+        change = load.controller.restarted(slots)
+        log.info("capacity of %s: back after being down; holds dropped, slow start from %d", provider_id,
+                 load.controller.limit)
+        if change is not None:
+            load.moved = True
+            load.published = None  # publish at the next read
+
     # --- the loops ---------------------------------------------------------------------------
 
     async def run(self) -> None:

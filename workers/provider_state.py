@@ -46,8 +46,12 @@ class ProviderState:
 
     def __init__(self, runtime: Callable[[], NodeRuntime], adapters: ProviderAdapters, runs: Runs,
                  side: WorkerSide, redis: Redis, dispatch: DispatchConfig, worker_id: str,
-                 capacity_of: Callable[[ProviderConfig], int] | None = None) -> None:
+                 capacity_of: Callable[[ProviderConfig], int] | None = None,
+                 on_back: Callable[[str, int | None], None] | None = None) -> None:
         self._runtime = runtime
+        # Told when a provider this worker saw down is available again, with its slots (a
+        # learned capacity starts over: workers/capacity_control.py provider_back).
+        self._on_back = on_back
         # The capacity a heartbeat publishes: the limit in force (workers/capacity_control.py).
         self._capacity_of = capacity_of or (lambda p: p.capacity_bounds[0] if p.auto else p.fixed_capacity)
         self._adapters = adapters
@@ -198,6 +202,8 @@ class ProviderState:
             log.info("provider %s is %s%s", provider_id, "available" if result.healthy else "unavailable",
                      f" ({result.reason})" if result.reason else "")
         self.health[provider_id] = result
+        if previous is not None and not previous.healthy and result.healthy and self._on_back is not None:
+            self._on_back(provider_id, result.slots)
         if by_call:
             self._failed_by_call.add(provider_id)
         else:

@@ -94,7 +94,8 @@ class Worker:
         self.adapters = ProviderAdapters(self.runs, keep_s=self.lease_s)
         self.capacity = CapacityControl(self.current, self.adapters, self.side, self.redis)
         self.providers = ProviderState(self.current, self.adapters, self.runs, self.side, self.redis,
-                                       dispatch, self.worker_id, capacity_of=self.capacity.capacity_of)
+                                       dispatch, self.worker_id, capacity_of=self.capacity.capacity_of,
+                                       on_back=self.capacity.provider_back)
         self.jobs = JobRunner(self.side, node_id, self.adapters, self.runs, self.providers, dispatch.lease_ms,
                               capacity=self.capacity)
         self.stream = NodeStream(self.side, self.clients.blocking, self.redis, self.worker_id, dispatch.lease_ms,

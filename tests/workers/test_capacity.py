@@ -3,6 +3,7 @@ of latency, and of rate-limit answers, with time given by the test."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -138,6 +139,37 @@ def test_a_batch_cap_found_twice_is_not_tried_again_for_a_long_while() -> None:
     # The engine restarts with a smaller batch: followed at once (a fall is never held).
     limits = run_engine(ctl, clock, batch=4, ticks=8, kv_per_request=0.03)
     assert 4 in limits[:4], limits
+
+
+def test_an_engine_back_after_being_down_is_learned_afresh_not_held_to_its_old_cap() -> None:
+    """A batch cap found twice holds tries off for HOLD_CAP_S; an engine that went down and
+    came back is likely a new process (another --parallel, say): its bigger batch is found
+    within seconds, not after the old one's hold."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    run_engine(ctl, clock, batch=8, ticks=int(2 * HOLD_S / TICK_S), kv_per_request=0.03)
+    run_engine(ctl, clock, batch=8, ticks=int(4 * HOLD_S / TICK_S), kv_per_request=0.03)
+    assert "a batch cap" in ctl.reason
+    held = copy.deepcopy(ctl)
+    assert ctl.restarted() is None  # no slots reported: the limit stays where it is
+    limits = run_engine(ctl, clock, batch=16, ticks=int(10 / TICK_S), kv_per_request=0.03)
+    assert 16 <= limits[-1] <= 17, limits
+    assert limits.index(16) * TICK_S < 10, limits  # slow start again: 8, 12, 18 and back
+    # Without being told, the same controller waits out the cap's hold.
+    assert max(run_engine(held, clock, batch=16, ticks=int(10 / TICK_S), kv_per_request=0.03)) <= 9
+
+
+def test_an_engine_back_with_other_slots_starts_from_them() -> None:
+    ctl = LimitController.starting(1, 64, start=6, hint=4)
+    assert ctl.restarted(4) is None  # the slots it reported before: a restart like the last
+    assert ctl.limit == 6
+    change = ctl.restarted(12)
+    assert change is not None
+    assert (change.old, change.new, ctl.limit) == (6, 12, 12)
+    assert change.reason == "back after being down, its slots 12: 6 → 12"
+    # Within its bounds, as ever.
+    assert LimitController.starting(1, 8, start=6, hint=4).restarted(12) == Change(
+        6, 8, "back after being down, its slots 12: 6 → 8")
 
 
 def test_a_knee_where_the_kv_is_full_is_no_batch_cap() -> None:

@@ -42,13 +42,17 @@ class Engine:
     kv: float = 0.1
     metrics: bool = True
     has_health: bool = True
+    healthy: bool = True
+    slots: int | None = None  # llama-server's /props total_slots, when set
     seen: list[str] = field(default_factory=list)
     url: str = ""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append(request.path)
         if request.path == "/health" and self.has_health:
-            return web.json_response({})
+            return web.json_response({}, status=200 if self.healthy else 503)
+        if request.path == "/props" and self.slots is not None:
+            return web.json_response({"total_slots": self.slots})
         if request.path == "/v1/models":
             return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
         if request.path == "/metrics" and self.metrics:
@@ -178,6 +182,21 @@ async def test_requests_refused_for_want_of_time_count_as_demand(
             risen = await until(redis, "risen", lambda f, n=limit: int(f["capacity"]) > n)
             assert "every slot busy with more waiting" in risen["cap_reason"]
             limit = int(risen["capacity"])
+
+
+async def test_an_engine_back_after_being_down_with_other_slots_starts_from_them(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    # A new engine process: what was learned of the old one (its holds, a batch cap) goes,
+    # and a new --parallel is where the limit starts again (workers/capacity.py restarted).
+    engine.slots = 4
+    async with serving(redis_server, engine, "llamacpp", capacity="auto", max_capacity=16):
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto" and f.get("slots") == "4")
+        engine.healthy = False
+        await until(redis, "down", lambda f: f.get("health") == "unavailable")
+        engine.slots, engine.healthy = 8, True
+        back = await until(redis, "back", lambda f: f.get("cap_reason", "").startswith("back after being down"))
+        assert back["cap_reason"].startswith("back after being down, its slots 8: ")
+        assert back["capacity"] == "8"
 
 
 async def test_load_iop_does_not_send_is_published_for_a_fixed_capacity_too(

@@ -136,7 +136,8 @@ async def publish(redis_server: RedisServer, redis: Redis) -> AsyncIterator[Publ
 
     async with anyio.create_task_group() as tg:
 
-        async def publishing(config: Config, stand_ins: dict[str, Adapter] | None = None) -> Published:
+        async def publishing(config: Config, stand_ins: dict[str, Adapter] | None = None,
+                             on_back: Callable[[str, int | None], None] | None = None) -> Published:
             runtime = NodeRuntime.build(config, NODE, scripts)
             assert runtime is not None
             current = [runtime]
@@ -146,7 +147,8 @@ async def publish(redis_server: RedisServer, redis: Redis) -> AsyncIterator[Publ
             adapters.current.update(stand_ins or {})
             runs = Runs(keep_s=60)
             side = WorkerSide(lambda: current[0].calls, control, NODE)
-            state = ProviderState(lambda: current[0], adapters, runs, side, control, config.dispatch, WORKER)
+            state = ProviderState(lambda: current[0], adapters, runs, side, control, config.dispatch, WORKER,
+                                  on_back=on_back)
             tg.start_soon(state.run)
             return Published(state, adapters, runs, redis, current, side, scripts)
 
@@ -205,6 +207,24 @@ async def test_a_provider_failing_its_probe_is_unavailable_until_it_passes_again
     assert "503" in found["reason"]
     options.healthy = True
     await p.health_is("p", "available")
+
+
+async def test_a_provider_back_after_being_down_is_told_once_with_its_slots(
+    publish: Publishing, redis_server: RedisServer
+) -> None:
+    # A learned capacity starts over then (workers/capacity_control.py provider_back).
+    cfg = make_config(redis_server.url, provider("p"))
+    stand_in = Counting(cfg.nodes[0].providers[0], ProbeResult(True, slots=4))
+    told: list[tuple[str, int | None]] = []
+    p = await publish(cfg, {"p": stand_in}, on_back=lambda pid, slots: told.append((pid, slots)))
+    await p.health_is("p", "available")
+    assert told == []  # its first verdict is no return
+    stand_in.result = ProbeResult(False, "down")
+    await p.health_is("p", "unavailable", "down")
+    stand_in.result = ProbeResult(True, slots=8)
+    await p.health_is("p", "available")
+    await p.heartbeats("p", 3)
+    assert told == [("p", 8)]
 
 
 async def test_heartbeats_that_fail_are_logged_until_one_lands_again(

@@ -73,8 +73,9 @@ class ProbeResult(msgspec.Struct, frozen=True):
     models: list[str] | None = None
     # Models loaded in memory right now, where the runtime says (Ollama's /api/ps).
     loaded: list[str] | None = None
-    # Parallel slots the runtime reports (llama.cpp's /props total_slots, or /slots): a hint
-    # shown beside the configured capacity, never used for dispatch.
+    # Parallel slots the runtime reports (llama.cpp's /props total_slots, or /slots): shown
+    # beside the capacity, and where a learned capacity starts (workers/capacity_control.py);
+    # never a limit itself.
     slots: int | None = None
 
 
