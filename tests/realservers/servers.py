@@ -150,12 +150,13 @@ def llama_server_binary() -> Path:
 
 
 def start_llama_server(work: Path, parallel: int = LLAMA_SLOTS, threads: int = 1,
-                       seed: int | None = None) -> RealServer:
+                       seed: int | None = None, port: int | None = None) -> RealServer:
     """llama.cpp's ``llama-server`` on a fresh tiny GGUF: ``parallel`` slots of the GGUF's
     whole context each (``-c`` is shared by the slots), its metrics and slots endpoints on;
-    ``seed``: the GGUF of other weights that seed writes."""
+    ``seed``: the GGUF of other weights that seed writes; ``port``: where (a free one if
+    not given: one given is a restart's)."""
     model = write_tiny_gguf("llama-server", work / "tiny.gguf", seed)
-    port = free_port()
+    port = port or free_port()
     argv = [
         str(llama_server_binary()), "--model", str(model), "--alias", LLAMA_SERVED,
         "--host", "127.0.0.1", "--port", str(port),

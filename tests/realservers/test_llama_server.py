@@ -23,7 +23,7 @@ from iop.redis_server import RedisServer
 from tests.e2e.system import System, fast_dispatch
 from tests.realservers.compare import Answer, assert_same, send, usage_chunks
 from tests.realservers.conftest import LLAMA_SERVER_ID, SLOTS_ALIAS, llama_server_provider
-from tests.realservers.servers import LLAMA_SERVED, LLAMA_SLOTS, RealServer
+from tests.realservers.servers import LLAMA_SERVED, LLAMA_SLOTS, RealServer, start_llama_server
 from tests.realservers.tap import Tap
 from tests.realservers.tiny_gguf import N_CTX
 from tests.waiting import eventually_sync
@@ -357,3 +357,29 @@ def test_capacity_auto_settles_near_its_slots(tmp_path_factory: pytest.TempPathF
     assert view["engine"] is not None, view  # the limit came from the engine's own figures
     settled = sorted(limits)[len(limits) // 2]
     assert LLAMA_SLOTS - 1 <= settled <= LLAMA_SLOTS + 2, (limits, view.get("capacity_reason"))
+
+
+def test_capacity_auto_starts_over_when_the_server_comes_back_with_other_slots(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """llama-server restarted on the same port with ``--parallel 6`` where it had 2: the
+    worker sees it down, then back with other slots, and the learned limit starts from them
+    (workers/capacity.py ``restarted``) rather than keeping what it learned of the old one."""
+    first = start_llama_server(tmp_path_factory.mktemp("before"), parallel=2)
+    second: RealServer | None = None
+    provider = {**llama_server_provider(first), "capacity": "auto", "min_capacity": 1, "max_capacity": 16}
+    try:
+        with iop_in_front(tmp_path_factory, provider) as system:
+            wait_for("its slots", lambda: view_of(system)["slots"] == 2)
+            first.stop()
+            wait_for("down", lambda: view_of(system)["health"] == "unavailable")
+            second = start_llama_server(tmp_path_factory.mktemp("after"), parallel=6, port=first.port)
+            wait_for("back", lambda: "back after being down" in (view_of(system)["capacity_reason"] or ""))
+            view = view_of(system)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert view["health"] == "available", view
+    assert view["slots"] == 6, view
+    assert view["capacity"] == 6, view
+    assert view["capacity_reason"].startswith("back after being down, its slots 6: "), view
