@@ -157,6 +157,11 @@ def test_an_engine_back_after_being_down_is_learned_afresh_not_held_to_its_old_c
     assert limits.index(16) * TICK_S < 10, limits  # slow start again: 8, 12, 18 and back
     # Without being told, the same controller waits out the cap's hold.
     assert max(run_engine(held, clock, batch=16, ticks=int(10 / TICK_S), kv_per_request=0.03)) <= 9
+    # The same engine back (a blip): two tries above its knee, then the cap's long hold again.
+    ctl.restarted()
+    limits = run_engine(ctl, clock, batch=16, ticks=int(60 / TICK_S), kv_per_request=0.03)
+    assert len(tries([16, *limits], 16)) == 2, limits  # slow start's step up, then one slot over
+    assert all(x == 16 for x in limits[-int(50 / TICK_S):]), limits
 
 
 def test_an_engine_back_with_other_slots_starts_from_them() -> None:
