@@ -120,7 +120,6 @@ class LimitController:
     _window_json: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _pending: list[CallSample] = field(default_factory=list)  # calls since the limit last moved
     _readings: deque[EngineLoad] = field(default_factory=lambda: deque(maxlen=32))
-    _hint: int | None = None  # the engine's slots as last reported (its --parallel, say)
 
     @classmethod
     def starting(cls, floor: int, ceiling: int, start: int | None = None, hint: int | None = None) -> LimitController:
@@ -129,15 +128,15 @@ class LimitController:
         first = start if start is not None else hint if hint is not None else 2
         first = min(max(first, floor), ceiling)
         return cls(floor=floor, ceiling=ceiling, limit=first, reason=f"starting at {first}",
-                   slow_start=start is None, _hint=hint)
+                   slow_start=start is None)
 
-    def restarted(self, hint: int | None = None) -> Change | None:
+    def restarted(self, slots: int | None = None) -> Change | None:
         """The provider is back after its worker saw it down: most likely a new engine
         process, perhaps with another batch, model or device. What was learned of the old
         one's knee no longer holds: the holds (a batch cap's among them), the unqueued
         latency levels and the engine readings go, and slow start resumes from the limit in
-        force, or from the engine's slots (``hint``) when they are not the ones it reported
-        before (restarted with another ``--parallel``, say)."""
+        force, or from ``slots``: the engine's slots where they changed (restarted with
+        another ``--parallel``, say)."""
         self.slow_start = True
         self._hold_until = self._quiet_until = self._fell_at_gradient = 0.0
         self._hold_s = HOLD_S
@@ -146,14 +145,13 @@ class LimitController:
         self._window_json.clear()
         self._pending = []
         self._readings.clear()
-        if hint is None or hint == self._hint:
+        if slots is None:
             return None
-        self._hint = hint
-        target = min(max(hint, self.floor), self.ceiling)
+        target = min(max(slots, self.floor), self.ceiling)
         if target == self.limit:
             return None
         old, self.limit = self.limit, target
-        self.reason = f"back after being down, its slots {hint}: {old} → {self.limit}"
+        self.reason = f"back after being down, its slots {slots}: {old} → {self.limit}"
         return Change(old, self.limit, self.reason)
 
     # --- what the worker tells it -----------------------------------------------------------

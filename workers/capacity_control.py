@@ -135,8 +135,8 @@ class CapacityControl:
 
     def provider_back(self, provider_id: str, slots: int | None) -> None:
         """The provider is available again after being down (workers/provider_state.py): its
-        learned limit starts over from where it is, or from new slots (``LimitController.restarted``);
-        ``slots``: what its probe found the engine runs at once, where it says."""
+        learned limit starts over from where it is (``LimitController.restarted``), or from
+        ``slots``: what its probe found the engine runs at once, when that changed."""
         load = self.loads.get(provider_id)
         if load is None or load.controller is None:
             return

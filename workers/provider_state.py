@@ -49,9 +49,11 @@ class ProviderState:
                  capacity_of: Callable[[ProviderConfig], int] | None = None,
                  on_back: Callable[[str, int | None], None] | None = None) -> None:
         self._runtime = runtime
-        # Told when a provider this worker saw down is available again, with its slots (a
-        # learned capacity starts over: workers/capacity_control.py provider_back).
+        # Told when a provider this worker saw down is available again, with its slots when
+        # they are not the ones it reported before (a learned capacity starts over:
+        # workers/capacity_control.py provider_back).
         self._on_back = on_back
+        self._slots: dict[str, int] = {}  # the slots each provider's probes last reported
         # The capacity a heartbeat publishes: the limit in force (workers/capacity_control.py).
         self._capacity_of = capacity_of or (lambda p: p.capacity_bounds[0] if p.auto else p.fixed_capacity)
         self._adapters = adapters
@@ -104,6 +106,7 @@ class ProviderState:
         if scope is not None:
             scope.cancel()
         self.health.pop(provider_id, None)
+        self._slots.pop(provider_id, None)
         self._failed_by_call.discard(provider_id)
         self._wake.pop(provider_id, None)
 
@@ -202,8 +205,12 @@ class ProviderState:
             log.info("provider %s is %s%s", provider_id, "available" if result.healthy else "unavailable",
                      f" ({result.reason})" if result.reason else "")
         self.health[provider_id] = result
+        before = self._slots.get(provider_id)
+        if result.slots is not None:
+            self._slots[provider_id] = result.slots
         if previous is not None and not previous.healthy and result.healthy and self._on_back is not None:
-            self._on_back(provider_id, result.slots)
+            changed = before is not None and result.slots is not None and result.slots != before
+            self._on_back(provider_id, result.slots if changed else None)
         if by_call:
             self._failed_by_call.add(provider_id)
         else:

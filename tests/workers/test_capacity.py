@@ -165,15 +165,14 @@ def test_an_engine_back_after_being_down_is_learned_afresh_not_held_to_its_old_c
 
 
 def test_an_engine_back_with_other_slots_starts_from_them() -> None:
-    ctl = LimitController.starting(1, 64, start=6, hint=4)
-    assert ctl.restarted(4) is None  # the slots it reported before: a restart like the last
-    assert ctl.limit == 6
+    ctl = LimitController.starting(1, 64, start=6)
     change = ctl.restarted(12)
     assert change is not None
     assert (change.old, change.new, ctl.limit) == (6, 12, 12)
     assert change.reason == "back after being down, its slots 12: 6 → 12"
+    assert ctl.restarted(12) is None  # already there
     # Within its bounds, as ever.
-    assert LimitController.starting(1, 8, start=6, hint=4).restarted(12) == Change(
+    assert LimitController.starting(1, 8, start=6).restarted(12) == Change(
         6, 8, "back after being down, its slots 12: 6 → 8")
 
 

@@ -209,7 +209,7 @@ async def test_a_provider_failing_its_probe_is_unavailable_until_it_passes_again
     await p.health_is("p", "available")
 
 
-async def test_a_provider_back_after_being_down_is_told_once_with_its_slots(
+async def test_a_provider_back_after_being_down_is_told_once_with_slots_that_changed(
     publish: Publishing, redis_server: RedisServer
 ) -> None:
     # A learned capacity starts over then (workers/capacity_control.py provider_back).
@@ -219,12 +219,14 @@ async def test_a_provider_back_after_being_down_is_told_once_with_its_slots(
     p = await publish(cfg, {"p": stand_in}, on_back=lambda pid, slots: told.append((pid, slots)))
     await p.health_is("p", "available")
     assert told == []  # its first verdict is no return
-    stand_in.result = ProbeResult(False, "down")
-    await p.health_is("p", "unavailable", "down")
-    stand_in.result = ProbeResult(True, slots=8)
-    await p.health_is("p", "available")
-    await p.heartbeats("p", 3)
-    assert told == [("p", 8)]
+    for slots in (4, 8):
+        stand_in.result = ProbeResult(False, "down")
+        await p.health_is("p", "unavailable", "down")
+        stand_in.result = ProbeResult(True, slots=slots)
+        await p.health_is("p", "available")
+        await p.heartbeats("p", 3)
+    # Back with the slots it had: none to tell; then with others: those.
+    assert told == [("p", None), ("p", 8)]
 
 
 async def test_heartbeats_that_fail_are_logged_until_one_lands_again(
