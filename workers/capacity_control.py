@@ -7,8 +7,8 @@ One loop per provider reads, every ``BUSY_READ_S`` while iop runs requests there
 * the engine's own load (workers/engine_metrics.py), where the provider's type publishes
   one: what it runs and queues beyond iop's ``in_flight`` there is **load iop does not
   send** (``external``), which counts against the provider in routing (``lib/pump.lua``);
-* its ``in_flight`` (every worker's jobs) and, for ``capacity: auto``, whether jobs wait in
-  its lanes.
+* its ``in_flight`` (every worker's jobs), an operator's drain mark (a resume after one is
+  taken as the engine's restart) and, for ``capacity: auto``, whether jobs wait in its lanes.
 
 With ``capacity: auto`` a :class:`workers.capacity.LimitController` turns these, and the
 calls the provider answered (``called``), into the limit in force. Every provider's answers'
@@ -20,7 +20,7 @@ A learned limit outlives the worker: a restarted worker starts from the one in R
 workers of one node each learn from the calls they run and the engine readings they make;
 what they publish is close, and the last write stands.
 
-Cost: one small HTTP GET and one HGET per provider per read (``bench.capacity_fleet cost``).
+Cost: one small HTTP GET and one HMGET per provider per read (``bench.capacity_fleet cost``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class ProviderLoad:
     first_tokens: FirstTokens = field(default_factory=FirstTokens)
     service: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_WINDOW))
     shed: dict[str, int] = field(default_factory=dict)  # queue -> refusals counted at the last tick
+    drained: bool = False  # an operator's drain mark was on at the last reading
     published: tuple[int, int, int, str] | None = None
     published_at: float = 0.0
     moved: bool = False
@@ -229,7 +230,7 @@ class CapacityControl:
         plan_queues = self._runtime().calls.plans.provider_queues.get(pid, frozenset())
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.hget(keys.provider(pid), "in_flight")
+                pipe.hmget(keys.provider(pid), ["in_flight", "drain"])
                 queues = sorted(plan_queues) if load.controller is not None else []
                 for queue in queues:
                     pipe.zcard(queue)
@@ -239,7 +240,8 @@ class CapacityControl:
         except RedisError as exc:
             log.debug("capacity of %s: %s", pid, exc)
             return True
-        in_flight = int(replies[0] or 0)
+        in_flight = int(replies[0][0] or 0)
+        drained = bool(replies[0][1])
         backlog = any(int(n) for n in replies[1:1 + len(queues)])
         shed = {q: int(n or 0) for q, n in zip(queues, replies[-1], strict=True)} if queues else {}
         now = time.monotonic()
@@ -251,6 +253,13 @@ class CapacityControl:
         recent = [ext for at, ext in load.beyond if now - at <= EXTERNAL_WINDOW_S]
         load.external = min(recent) if recent else 0
         ctl = load.controller
+        if load.drained and not drained and ctl is not None:
+            # Resumed: the documented way to restart or update a provider's engine is a drain
+            # around it (docs/OPERATIONS.md), which a restart quicker than a probe leaves the
+            # only sign of. Learned afresh, as a provider back after being down is.
+            ctl.restarted()
+            log.info("capacity of %s: resumed after a drain; holds dropped, slow start from %d", pid, ctl.limit)
+        load.drained = drained
         if ctl is not None:
             ctl.note_in_flight(in_flight)
             if reading is not None:

@@ -199,6 +199,25 @@ async def test_an_engine_back_after_being_down_with_other_slots_starts_from_them
         assert back["capacity"] == "8"
 
 
+async def test_a_provider_resumed_after_a_drain_is_learned_afresh(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    # Drain, restart the engine, resume (docs/OPERATIONS.md): a restart quicker than a probe
+    # shows nowhere else, so the resume is taken as one (workers/capacity.py restarted).
+    async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16) as worker:
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        engine.running, engine.waiting = 1, 3
+        await busy(redis, 2)
+        await until(redis, "fallen", lambda f: f["capacity"] == "1")
+        controller = worker.capacity.loads[PROVIDER].controller
+        assert controller is not None
+        assert not controller.slow_start  # it queued: rises are one slot at a time now
+        await redis.hset(keys.provider(PROVIDER), "drain", 1)
+        await eventually(lambda: worker.capacity.loads[PROVIDER].drained, what="the drain read")
+        assert not controller.slow_start  # a drain alone changes nothing
+        await redis.hdel(keys.provider(PROVIDER), "drain")
+        await eventually(lambda: controller.slow_start, what="learned afresh after the resume")
+
+
 async def test_load_iop_does_not_send_is_published_for_a_fixed_capacity_too(
         redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
     async with serving(redis_server, engine, capacity=8):
