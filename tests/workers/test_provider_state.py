@@ -278,8 +278,10 @@ async def test_a_busy_provider_gets_only_its_harmless_probe(publish: Publishing,
     assert stand_in.busy_probes >= 1
 
     await redis.hset(keys.provider("p"), "in_flight", 0)
-    await p.until("p", lambda _: stand_in.probes >= 1)  # idle again: the whole probe
-    assert (await p.hash("p"))["reported_models"] == json.dumps(["t"])
+    # Idle again: the whole probe, and what it found in the heartbeat after it (the count
+    # moves as the probe begins, before the heartbeat writes).
+    found = await p.until("p", lambda h: stand_in.probes >= 1 and h.get("reported_models") == json.dumps(["t"]))
+    assert found["health"] == "available"
 
 
 async def test_a_run_of_this_worker_makes_its_provider_busy(publish: Publishing, redis_server: RedisServer) -> None:
