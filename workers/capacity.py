@@ -137,14 +137,11 @@ class LimitController:
         latency levels and the engine readings go, and slow start resumes from the limit in
         force, or from ``slots``: the engine's slots where they changed (restarted with
         another ``--parallel``, say)."""
-        self.slow_start = True
-        self._hold_until = self._quiet_until = self._fell_at_gradient = 0.0
-        self._hold_s = HOLD_S
-        self._fell_from = self._cap_knee = self._last_clear = 0
-        self._window.clear()
-        self._window_json.clear()
-        self._pending = []
-        self._readings.clear()
+        # Everything but the limit, its reason and the tick under way as a new controller has
+        # it: the defaults are the one statement of what a fresh start knows.
+        fresh = LimitController(floor=self.floor, ceiling=self.ceiling, limit=self.limit, reason=self.reason,
+                                _peak_in_flight=self._peak_in_flight, _last_tick=self._last_tick)
+        self.__dict__.update(fresh.__dict__)
         if slots is None:
             return None
         target = min(max(slots, self.floor), self.ceiling)
