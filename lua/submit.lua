@@ -1,5 +1,6 @@
 -- submit: put a job in its lane's queue (dispatcher/plans.py), then pump that lane.
--- A free slot means the job is dispatched in this same call. The plan is the lane's own
+-- A free slot means the job is dispatched in this same call (when the queue was empty,
+-- without entering it). The plan is the lane's own
 -- (one lane: PLAN.only, lib/dispatch_plan.lua).
 --
 -- KEYS[1..5] jobs, bodies, leases, deadlines, fence (see lib/jobs.lua, lib/dispatch_plan.lua)
@@ -109,14 +110,23 @@ if L and (L.tokens_per_minute > 0 or L.tokens_per_day > 0) then
   rec.limits = {tenant = L.tenant, tokens_per_minute = L.tokens_per_minute, tokens_per_day = L.tokens_per_day,
                 tokens = L.tokens, day = L.day}
 end
-put_record(job, rec)
 count(rec, 'q', 1)
 redis.call('HSET', BODIES, job, body)
+redis.call('SADD', REPLICA_JOBS, job)
+-- A lane that holds nothing has this job as its head: the pump is offered it as it is
+-- (lib/pump.lua `arriving`), and it enters the queue only if it must wait -- ten commands
+-- fewer than a pass through the queue. Not with a capped tenant, whose head the pump may
+-- park instead (lib/head.lua).
+local arriving = nil
+if deadline > now and not (FAIR ~= nil and PLAN.capped) and redis.call('EXISTS', QUEUE) == 0 then
+  arriving = {job = job, score = score or seq, rec = rec, body = body, lane = LANE}
+  pump(now, arriving)
+  if rec.state == 'd' then return {'dispatched', 0, deadline, now, '', limited} end
+end
+put_record(job, rec)
 redis.call('ZADD', QUEUE, score and num(score) or seq, job)
 redis.call('ZADD', DEADLINES, deadline, job)
-redis.call('SADD', REPLICA_JOBS, job)
-
-pump(now)
+if arriving == nil then pump(now) end
 
 local waiting = redis.call('ZCARD', QUEUE)
 local in_queue = redis.call('ZSCORE', QUEUE, job)

@@ -3,7 +3,8 @@
 -- candidate with a free slot (lib/pick.lua), or with room in a home queue
 -- (lib/any_home_room.lua). Each lane's head is read once per pump() call
 -- (`ctx`, lib/pump.lua) and again only after the lane gave one up: ctx.heads[i] is lane i's
--- head {lane, job, score, i}; nil: to be read; false: nothing more this call (empty, or no
+-- head {lane, job, score, i}; nil: to be read (a submit's arriving job first, ctx.arriving:
+-- it is its lane's only one); false: nothing more this call (empty, or no
 -- free provider may take its jobs). A head held for its busy home keeps the slot from the
 -- lanes of later bands (ctx.held_band).
 --!include lib/pick.lua
@@ -18,7 +19,12 @@ local function next_head(ctx, lanes)
     local h = heads[i]
     if ctx.held_band ~= nil and lane.band > ctx.held_band then h = false end
     if h and not may_run(ctx, h.job) then h = nil end  -- its tenant reached its cap meanwhile
-    if h == nil then
+    local a = ctx.arriving
+    if h == nil and a ~= nil and a.lane == lane and not a.offered then
+      a.offered = true
+      h = {lane = lane, job = a.job, score = a.score, i = i, arriving = true}
+      heads[i] = h
+    elseif h == nil then
       local job, score = head(ctx, lane, ctx.skips[i] or 0)
       h = job and {lane = lane, job = job, score = score, i = i} or false
       heads[i] = h

@@ -24,6 +24,8 @@
 --   held_band      the band of a head held for its busy home: later bands get no slot
 --                  this call
 --   park_budget, expire_budget  what is left of the call's budgets (below)
+--   arriving       the job a submit offers as its lane's head without queueing it first
+--                  ({job, score, rec, body, lane}: lua/submit.lua), or nil
 --!include lib/dispatch_plan.lua
 --!include lib/lanes_with_jobs.lua
 --!include lib/next_head.lua
@@ -41,12 +43,15 @@ local EXPIRE_BUDGET = 64
 
 -- Hand out free slots to waiting jobs: the first head across the plan's lanes in the
 -- ordering (band, then fair tag; or submit order), each to the candidate with the lowest
--- in_flight/capacity. Returns the number dispatched.
-local function pump(now)
+-- in_flight/capacity. Returns the number dispatched. `arriving` (optional): a job that is
+-- its lane's only one, offered as that lane's head as it is: it is dispatched like any head,
+-- and when it is not, it is in no queue yet (its submit queues it) and nothing of its lane
+-- comes after it this call.
+local function pump(now, arriving)
   local lanes = lanes_with_jobs()
   if #lanes == 0 then return 0 end
   local ctx = {now = now, providers = {}, tenants = {}, vtime = {}, heads = {}, skips = {}, held_band = nil,
-               park_budget = PARK_BUDGET, expire_budget = EXPIRE_BUDGET}
+               park_budget = PARK_BUDGET, expire_budget = EXPIRE_BUDGET, arriving = arriving}
   local heads, skips = ctx.heads, ctx.skips
   local count_dispatched = 0
   while true do
@@ -59,7 +64,10 @@ local function pump(now)
       break  -- the rest of the expired heads at the next call
     end
     heads[best.i] = nil
-    if outcome == 'ok' then
+    if best.arriving then
+      heads[best.i] = false  -- its lane held nothing else
+      if outcome == 'ok' then count_dispatched = count_dispatched + 1 end
+    elseif outcome == 'ok' then
       count_dispatched = count_dispatched + 1
     elseif outcome == 'held' then
       heads[best.i] = false

@@ -9,7 +9,8 @@
 --   'full': no candidate has a free slot and no home of its prompt has room in its home
 --        queue (`cand` was offered for that queue: lib/next_head.lua): it waits
 --   'gone': it has no record (it leaves the queue)
--- `looked`: the job is one look_ahead found, which waits for nothing. `ctx`: the pump()
+-- `looked`: the job is one look_ahead found, which waits for nothing. A submit's arriving
+-- job (ctx.arriving) has its record in hand, not yet in Redis. `ctx`: the pump()
 -- call's state (lib/pump.lua).
 --!include lib/jobs.lua
 --!include lib/dispatch_plan.lua
@@ -25,7 +26,8 @@
 
 local function route(ctx, job, lane, cand, looked)
   local qkey, now = queue_of(lane), ctx.now
-  local rec = get_record(job)
+  local a = ctx.arriving
+  local rec = a ~= nil and a.job == job and a.rec or get_record(job)
   if rec == nil then
     redis.call('ZREM', qkey, job)
     redis.call('ZREM', DEADLINES, job)

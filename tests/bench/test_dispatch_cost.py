@@ -55,12 +55,15 @@ async def test_dispatch_cost_rows_and_counts(redis_server: RedisServer) -> None:
         assert cost.us_per_call >= 0
         assert cost.top_commands()
     for lanes in (1, 10):
-        # Handing the slot on is a dispatch on top of the release; a dispatching submit does
-        # more than a queueing one.
+        # Handing the slot on is a dispatch on top of the release. A dispatching submit (its
+        # lane's queue empty) never enters the queue: one ZADD per call, its lease's, where
+        # a queueing one makes two (the queue, the deadlines) and never reads a head.
         assert (rows[(FINISH_HANDOFF, lanes, None)].commands_per_call
                 > rows[(FINISH_IDLE, lanes, None)].commands_per_call)
-        assert (rows[(SUBMIT_DISPATCH, lanes, None)].commands_per_call
-                > rows[(SUBMIT_QUEUE, lanes, None)].commands_per_call)
+        dispatching = rows[(SUBMIT_DISPATCH, lanes, None)].batches[0].commands
+        assert dispatching["zadd"] == CALLS
+        assert "zrange" not in dispatching
+        assert rows[(SUBMIT_QUEUE, lanes, None)].batches[0].commands["zadd"] == 2 * CALLS
         # Only a finish that hands the slot on writes a node stream entry.
         assert "xadd" in rows[(SUBMIT_DISPATCH, lanes, None)].batches[0].commands
     # The batch's own XRANGE (which job holds the slot) is not counted: no script reads a stream.

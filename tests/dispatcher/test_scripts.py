@@ -12,7 +12,9 @@ from redis.asyncio import Redis
 from dispatcher import keys
 from dispatcher.events import Assignment
 from dispatcher.script_calls import Abort, AbortReason, CancelReason
+from iop.redis_server import RedisServer
 from tests.dispatcher.harness import Harness, make_config
+from tests.dispatcher.monitor import MonitorRecorder
 
 pytestmark = pytest.mark.anyio
 
@@ -155,6 +157,35 @@ async def test_fifo_within_a_group(harness: Any) -> None:
         order.append(nxt)
     assert order == [j for j, _ in jobs]
     assert await h.in_flight("a") == 1
+
+
+async def test_a_job_whose_queue_is_empty_never_enters_it_when_a_slot_is_free(
+        any_redis_server: RedisServer, any_redis: Redis) -> None:
+    # The pump is offered it as its lane's head as it is (lua/submit.lua, lib/pump.lua
+    # `arriving`); one that must wait is queued with its deadline like any other.
+    h = Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    recorder = MonitorRecorder(any_redis_server.url).begin()
+    try:
+        first, status = await h.submit("m")
+        second, second_status = await h.submit("m")
+    finally:
+        await any_redis.echo(recorder.marker)
+    commands = recorder.end()
+    assert (status, second_status) == ("dispatched", "queued")
+    queue_writes = [(c.name, c.text(1), c.text(3)) for c in commands
+                    if c.lua and c.name in ("ZADD", "ZREM") and c.text(1) in (keys.queue("m"), keys.DEADLINES)]
+    assert queue_writes == [("ZADD", keys.queue("m"), second), ("ZADD", keys.DEADLINES, second)]
+    # The dispatched one is as a dispatch from the queue leaves it: running, its body kept
+    # for a redispatch, its assignment carrying that body.
+    assert (await h.record(first)).state == "d"
+    assert await h.redis.hget(keys.BODIES, first) == b'{"model":"m"}'
+    assert (await h.assignment(first)).body == b'{"model":"m"}'
+    assert await h.queued("m") == [second]
+    assert await h.redis.zscore(keys.DEADLINES, first) is None
+    assert await h.redis.zscore(keys.DEADLINES, second) is not None
+    assert await finish(h, first) == "released"
+    assert [a.job for a in await h.assignments()] == [second]
 
 
 async def test_overflow_is_refused_at_exactly_max_queue(harness: Any) -> None:

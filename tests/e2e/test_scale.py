@@ -156,6 +156,7 @@ def replay(commands: list[Command], initial: dict[str, dict[str, str]]) -> Histo
     lo = dict.fromkeys(CAPACITY, 0)
     hi = dict.fromkeys(CAPACITY, 0)
     hist = History()
+    entered: set[str] = set()  # jobs that were put in a queue
     pending: tuple[str, dict[str, Prov], dict[str, int | None]] | None = None
 
     def set_inf(pid: str, value: int) -> None:
@@ -173,12 +174,17 @@ def replay(commands: list[Command], initial: dict[str, dict[str, str]]) -> Histo
             queue = queues[qkeys[key]]
             if name == "ZADD":
                 seq, job = int(a[2]), cmd.text(3)
-                if job in hist.seq:
+                if job in entered:
                     hist.requeues.append(job)
+                entered.add(job)
                 hist.seq.setdefault(job, seq)
                 queue[job] = seq
             elif name == "ZREM":
                 queue.pop(cmd.text(2), None)
+        elif key == keys.JOBS and name == "HSET":
+            # A job dispatched as its empty queue's head never enters it (lua/submit.lua):
+            # its submit sequence is in its record.
+            hist.seq.setdefault(cmd.text(2), int(json.loads(a[3])["seq"]))
         elif key in pkeys:
             pid = pkeys[key]
             if name == "HINCRBY" and cmd.text(2) == "in_flight":
