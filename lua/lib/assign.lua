@@ -10,14 +10,14 @@
 --!include lib/drain_rate.lua
 --!include lib/dispatched.lua
 --!include lib/provider_state.lua
+--!include lib/arrived.lua
 
 local function assign(ctx, job, rec, lane, cand)
   local qkey, now = queue_of(lane), ctx.now
   local pkey, nkey = KEYS[BASE + cand.provider_key], KEYS[BASE + cand.node_key]
-  -- A submit's arriving job (lib/pump.lua) is in no queue yet, and its body is in hand.
-  local a = ctx.arriving
-  local arrived = a ~= nil and a.job == job
-  if not arrived then redis.call('ZREM', qkey, job) end
+  -- A submit's arriving job is in no queue yet, and its body is in hand.
+  local a = arrived(ctx, job)
+  if a == nil then redis.call('ZREM', qkey, job) end
   -- Never below ten per millisecond of server time: a failover that loses the last
   -- writes rolls the counter back, and a fence handed out again would let a run the new
   -- primary forgot pass for the one it dispatches now. (14 digits: exact in cjson.)
@@ -26,7 +26,7 @@ local function assign(ctx, job, rec, lane, cand)
     fence = now * 10
     redis.call('SET', FENCE, fence)
   end
-  if not arrived then redis.call('ZREM', DEADLINES, job) end
+  if a == nil then redis.call('ZREM', DEADLINES, job) end
   if rec.submitted_ms < now then note_drain(qkey, now) end
   dispatched(ctx, rec, lane)
   local s = provider_state(ctx, pkey)
@@ -38,7 +38,7 @@ local function assign(ctx, job, rec, lane, cand)
   redis.call('HINCRBY', pkey, 'in_flight', 1)
   s.inf = s.inf + 1
   redis.call('ZADD', LEASES, now + LEASE_MS, job)
-  local body = arrived and a.body or redis.call('HGET', BODIES, job) or ''
+  local body = a and a.body or redis.call('HGET', BODIES, job) or ''
   -- The node stream entry (dispatcher/events.py Assignment, by the same names).
   local entry = redis.call('XADD', nkey, '*',
     'job', job, 'fence', fence, 'provider', cand.provider, 'target', cand.served, 'model', lane.model,

@@ -23,11 +23,12 @@
 --!include lib/look_ahead.lua
 --!include lib/remember.lua
 --!include lib/has_slot.lua
+--!include lib/arrived.lua
 
 local function route(ctx, job, lane, cand, looked)
   local qkey, now = queue_of(lane), ctx.now
-  local a = ctx.arriving
-  local rec = a ~= nil and a.job == job and a.rec or get_record(job)
+  local a = arrived(ctx, job)
+  local rec = a and a.rec or get_record(job)
   if rec == nil then
     redis.call('ZREM', qkey, job)
     redis.call('ZREM', DEADLINES, job)
