@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, Router, delete, get, post, route
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from redis.exceptions import RedisError
 
 from api.gateway import Gateway
@@ -209,7 +209,7 @@ async def _report(gw: Gateway, model_id: str, index: int) -> Report:
 
 @route("/qualifications/{model_id:str}", http_method=GET_AND_HEAD, summary="The latest qualification report")
 async def latest(request: Request[Any, Any, Any], gw: NamedDependency[Gateway], model_id: FromPath[str],
-                 index: int = 0) -> Response[bytes]:
+                 index: FromQuery[int] = 0) -> Response[bytes]:
     return page(request, qualifications.encode(await _report(gw, model_id, index)), "application/json")
 
 
@@ -223,8 +223,8 @@ async def runs(gw: NamedDependency[Gateway], model_id: FromPath[str]) -> Respons
 
 
 @get("/qualifications/{model_id:str}/markdown", summary="A qualification report as Markdown")
-async def as_markdown(gw: NamedDependency[Gateway], model_id: FromPath[str], index: int = 0,
-                      against: int | None = None) -> Response[str]:
+async def as_markdown(gw: NamedDependency[Gateway], model_id: FromPath[str],
+                      index: FromQuery[int] = 0, against: FromQuery[int | None] = None) -> Response[str]:
     report = await _report(gw, model_id, index)
     earlier = await _report(gw, model_id, against) if against is not None else None
     return Response(qualifications.markdown(report, earlier), media_type="text/markdown; charset=utf-8")

@@ -108,6 +108,12 @@ def test_the_report_is_stored_and_read_back(system: System, report: dict[str, An
     assert md.headers["content-type"].startswith("text/markdown")
     assert "# Qualification of `m`" in md.text
     assert "| 1 | a | vllm |" in md.text, md.text
+    # The report's place in the kept runs comes from the query string (0: the newest).
+    assert httpx.get(f"{system.api_url}/qualifications/m?index=0", timeout=10).json() == report
+    for path in ("/qualifications/m?index=1", "/qualifications/m/markdown?index=0&against=1"):
+        gone = httpx.get(f"{system.api_url}{path}", timeout=10)
+        assert "no qualification report 1 of 'm' is kept" in gone.text, (path, gone.text)
+    assert httpx.get(f"{system.api_url}/qualifications/m?index=first", timeout=10).status_code == 400
     page = httpx.get(f"{system.api_url}/ui/qualifications", timeout=10)
     assert page.status_code == 200
     assert "Providers side by side" in page.text
