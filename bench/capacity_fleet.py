@@ -55,7 +55,9 @@ Scenarios (``--scenarios``):
   every iop target gets (to measure another ``max_wait_ms`` or ``look_ahead``, say).
 * ``external``: the hetero fleet; another client (in the load generator) sends 40% of the
   fast server's capacity straight to it, while iop takes the rest of 80% of the fleet's
-  capacity. iop's TTFT with fixed capacities against auto; what each lost.
+  capacity. iop's TTFT with fixed capacities against auto; what each lost. ``--repeat N``
+  runs every target on N seeded traces and pools their requests: its p90 is judged over N
+  times as many.
 * ``settling``: the hetero fleet at 50% load; after ``--settle-before`` (30) seconds the fast
   server is slowed 3x (``POST /sim/control`` ``slowdown``), or, second variant, its batch
   halves (8 to 4); ``--settle-after`` (30) seconds more. Each limit at the change against its
@@ -751,30 +753,40 @@ class Runner:
         rates = server_rates(HETERO, W, "unique", a.seed)
         other = EXTERNAL_SHARE * rates[0]
         mine = EXTERNAL_LOAD * sum(rates) - other
-        iop_trace = self.trace(mine, a.seconds)
-        other_trace = self.trace(other, a.seconds, seed="-external")
         print(f"\n## external: iop {mine:.2f} req/s, the other client {other:.2f} req/s to server 0", flush=True)
-        rows, p90, lost = [], {}, {}
+        # Each repeat is another seeded trace, run by every target in turn; a target's figures
+        # pool its requests over the repeats (the p90 of 122 requests moves by 100-200 ms
+        # between runs of the same code).
+        runs: dict[str, list[Measured]] = {}
+        targets: list[tuple[Target, str | None]] = []
         with Fleet(HETERO, self.dir) as fleet:
-            for target, why in self.targets("external", HETERO):
-                if why is not None:
-                    rows.append(skipped_row(target.label, why, 10))
-                    continue
-                m = await self.run("external", target, fleet,
-                                   [Stream("iop", iop_trace), Stream("other", other_trace, direct=fleet.urls[0])],
-                                   a.seconds)
-                if m is None:
-                    continue
-                r, o = m.runs["iop"], m.runs["other"]
-                t, to = ttfts_ms(r), ttfts_ms(o)
-                p90[target.name] = percentile(t, 90)
-                lost[target.name] = unanswered(r) + errors(r)
-                rows.append([target.label, f"{r.goodput(slo):.2f}", fmt_ms(t, 50), fmt_ms(t, 90), fmt_ms(t, 99),
-                             str(unanswered(r) + errors(r)), f"{fmt_ms(to, 50)} / {fmt_ms(to, 90)}",
-                             str(unanswered(o) + errors(o)), limits(m, a.warmup), f"{r.late_steps() * 100:.1f}%"])
+            for k in range(a.repeat):
+                suffix = f"-r{k}" if k else ""
+                streams = [Stream("iop", self.trace(mine, a.seconds, seed=suffix)),
+                           Stream("other", self.trace(other, a.seconds, seed=suffix + "-external"),
+                                  direct=fleet.urls[0])]
+                if a.repeat > 1:
+                    print(f"  repeat {k + 1} of {a.repeat}", flush=True)
+                targets = targets or self.targets("external", HETERO)
+                for target, why in targets:
+                    if why is None:
+                        m = await self.run("external", target, fleet, streams, a.seconds)
+                        if m is not None:
+                            runs.setdefault(target.name, []).append(m)
+        rows, p90, lost = [], {}, {}
+        for target, why in targets:
+            if why is not None:
+                rows.append(skipped_row(target.label, why, 11 if a.repeat > 1 else 10))
+                continue
+            ms = runs.get(target.name)
+            if ms:
+                row, p90[target.name], lost[target.name] = external_row(target.label, ms, slo, a.warmup,
+                                                                        per_run=a.repeat > 1)
+                rows.append(row)
+        per_run = ["iop TTFT p90 ms, each run"] if a.repeat > 1 else []
         table = markdown_table(
             ["target", f"iop's goodput req/s (TTFT ≤ {slo:g} s)", "iop TTFT p50 ms", "iop TTFT p90 ms",
-             "iop TTFT p99 ms", "iop's lost (unanswered + errors)", "other client's TTFT p50 / p90 ms",
+             "iop TTFT p99 ms", *per_run, "iop's lost (unanswered + errors)", "other client's TTFT p50 / p90 ms",
              "other client's lost", "limits at the end (window's range)", "late steps"], rows)
         return Outcome(external_notes(a, rates, mine, other) + "\n" + external_goal(p90, lost) + "\n" + table)
 
@@ -954,6 +966,24 @@ def shape_goals(where: str, seen: dict[str, tuple[float, float]]) -> list[list[s
              f"{ref}" + (f"; sglang-router {router[0]:.2f} req/s" if router else "")]]
 
 
+def external_row(label: str, ms: Sequence[Measured], slo: float, warmup: float,
+                 per_run: bool = False) -> tuple[list[str], float, int]:
+    """A target's row of *external* over its runs (one per repeat), pooling their requests:
+    TTFT percentiles over all of them (``per_run``: each run's p90 too), goodput the runs'
+    mean, lost their sum, limits its last run's. Returns the row, the pooled p90 and what iop lost."""
+    t = [x for m in ms for x in ttfts_ms(m.runs["iop"])]
+    to = [x for m in ms for x in ttfts_ms(m.runs["other"])]
+    lost = sum(unanswered(m.runs["iop"]) + errors(m.runs["iop"]) for m in ms)
+    other_lost = sum(unanswered(m.runs["other"]) + errors(m.runs["other"]) for m in ms)
+    goodput = sum(m.runs["iop"].goodput(slo) for m in ms) / len(ms)
+    row = [label, f"{goodput:.2f}", fmt_ms(t, 50), fmt_ms(t, 90), fmt_ms(t, 99)]
+    if per_run:
+        row.append(" / ".join(fmt_ms(ttfts_ms(m.runs["iop"]), 90) for m in ms))
+    row += [str(lost), f"{fmt_ms(to, 50)} / {fmt_ms(to, 90)}", str(other_lost), limits(ms[-1], warmup),
+            f"{max(m.runs['iop'].late_steps() for m in ms) * 100:.1f}%"]
+    return row, percentile(t, 90), lost
+
+
 def external_goal(p90: dict[str, float], lost: dict[str, int]) -> str:
     """Auto's p90 against each fixed setting's; the goal is judged against the blind one
     (capacity = batch, iop seeing only its own requests: what it did before it read engines)."""
@@ -1053,7 +1083,15 @@ def external_notes(args: argparse.Namespace, rates: Sequence[float], mine: float
     return (f"**Setup.** The hetero fleet ({fleet_lines(HETERO, rates)}). Another client sends {other:.2f} req/s "
             f"({EXTERNAL_SHARE:.0%} of server 0's capacity) straight to server 0, where iop does not see it; iop "
             f"takes {mine:.2f} req/s, the rest of {EXTERNAL_LOAD:.0%} of the fleet's {sum(rates):.2f} req/s. "
-            f"{run_notes(args)}\n")
+            f"{run_notes(args)}{repeat_notes(args)}\n")
+
+
+def repeat_notes(args: argparse.Namespace) -> str:
+    if args.repeat <= 1:
+        return ""
+    return (f" Each target ran {args.repeat} traces (seeds `{args.seed}`, `{args.seed}-r1`, ...; the targets in turn "
+            f"within each), and its figures pool their requests: TTFT percentiles over all of them, goodput the "
+            f"runs' mean, lost their sum, limits those of its last run.")
 
 
 def settling_notes(args: argparse.Namespace, rates: Sequence[float], seconds: float) -> str:
@@ -1180,6 +1218,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="fairness: arrivals per run (B's few requests need a longer run)")
     parser.add_argument("--cost-seconds", type=float, default=60.0, help="cost: each of the idle and busy windows")
     parser.add_argument("--seed", default="iop-30")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="external: run every target on this many seeded traces and pool their requests")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     if not isinstance(args.auto_provider, dict):
@@ -1190,6 +1230,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.fairness_seconds = 20.0
         args.cost_seconds = 10.0
         args.loads = args.loads[:1]
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.warmup >= min(args.seconds, args.settle_before, args.fairness_seconds):
         parser.error("--warmup must be shorter than --seconds, --settle-before and --fairness-seconds")
     return args

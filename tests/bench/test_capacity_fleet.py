@@ -113,6 +113,40 @@ def test_the_external_goal_is_judged_against_the_blind_fixed_capacities() -> Non
                                                                   "capacities', nothing lost): not measured")
 
 
+
+def test_external_pools_the_requests_of_its_repeats() -> None:
+    target = cf.make_target("iop-auto", cf.HETERO, cf.parse_args([]), Path("/tmp"))
+    stats = [{"steps": 100, "late_steps": 1}]
+
+    def measured(ttfts_s: list[float], late: int) -> cf.Measured:
+        iop = Run("t", "t", [Result(3.0 + i, t, 9.0 + i, 200) if t < math.inf else
+                             Result(3.0 + i, t, t, UNANSWERED) for i, t in enumerate(ttfts_s)], window=10.0,
+                  warmup=2.0, server_stats=[{"steps": 100, "late_steps": late}])
+        other = Run("o", "o", [Result(3.0, 0.1, 4.0, 200), Result(4.0, math.inf, math.inf, UNANSWERED)],
+                    window=10.0, warmup=2.0, server_stats=stats)
+        return cf.Measured(target, runs={"iop": iop, "other": other}, final={"p0": 8}, seconds=10.0)
+
+    # Two runs of ten requests: each run's p90 is its 9th slowest, the pooled one the 18th of 20.
+    first = measured([0.1 * k for k in range(1, 11)], late=1)  # 0.1 .. 1.0 s
+    second = measured([0.05 * k for k in range(1, 10)] + [math.inf], late=3)  # one never answered
+    row, p90, lost = cf.external_row("auto", [first, second], 1.0, 2.0, per_run=True)
+    pooled = sorted(cf.ttfts_ms(first.runs["iop"]) + cf.ttfts_ms(second.runs["iop"]))
+    assert p90 == pooled[17] == 900.0
+    assert lost == 1  # the second run's unanswered request
+    assert row[0] == "auto"
+    assert row[1] == f"{(1.0 + 0.9) / 2:.2f}"  # the runs' mean goodput: 10 and 9 good of 10 s each
+    assert row[3] == "900"  # the pooled p90
+    assert row[5] == "900 / 450"  # each run's own
+    assert row[6] == "1"
+    assert row[8] == "2"  # the other client's unanswered, one per run
+    assert row[9] == "8"  # the last run's limits
+    assert row[10] == "3.0%"  # the worst run's late steps
+    alone, p90_alone, _ = cf.external_row("auto", [first], 1.0, 2.0)
+    assert len(alone) == len(row) - 1  # no column of each run's p90
+    assert p90_alone == 900.0
+    with pytest.raises(SystemExit):
+        cf.parse_args(["--repeat", "0"])
+
 def test_the_blind_baseline_is_capacity_batch_with_the_servers_metrics_off() -> None:
     target = cf.make_target("iop-batch-blind", cf.HETERO, cf.parse_args([]), Path("/tmp"))
     assert isinstance(target, cf.CapacityIop)
