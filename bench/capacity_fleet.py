@@ -758,7 +758,7 @@ class Runner:
         # pool its requests over the repeats (the p90 of 122 requests moves by 100-200 ms
         # between runs of the same code).
         runs: dict[str, list[Measured]] = {}
-        targets: list[tuple[Target, str | None]] = []
+        targets = self.targets("external", HETERO)
         with Fleet(HETERO, self.dir) as fleet:
             for k in range(a.repeat):
                 suffix = f"-r{k}" if k else ""
@@ -767,7 +767,6 @@ class Runner:
                                   direct=fleet.urls[0])]
                 if a.repeat > 1:
                     print(f"  repeat {k + 1} of {a.repeat}", flush=True)
-                targets = targets or self.targets("external", HETERO)
                 for target, why in targets:
                     if why is None:
                         m = await self.run("external", target, fleet, streams, a.seconds)

@@ -17,7 +17,10 @@ local function assign(ctx, job, rec, lane, cand)
   local pkey, nkey = KEYS[BASE + cand.provider_key], KEYS[BASE + cand.node_key]
   -- A submit's arriving job is in no queue yet, and its body is in hand.
   local a = arrived(ctx, job)
-  if a == nil then redis.call('ZREM', qkey, job) end
+  if a == nil then
+    redis.call('ZREM', qkey, job)
+    redis.call('ZREM', DEADLINES, job)
+  end
   -- Never below ten per millisecond of server time: a failover that loses the last
   -- writes rolls the counter back, and a fence handed out again would let a run the new
   -- primary forgot pass for the one it dispatches now. (14 digits: exact in cjson.)
@@ -26,7 +29,6 @@ local function assign(ctx, job, rec, lane, cand)
     fence = now * 10
     redis.call('SET', FENCE, fence)
   end
-  if a == nil then redis.call('ZREM', DEADLINES, job) end
   if rec.submitted_ms < now then note_drain(qkey, now) end
   dispatched(ctx, rec, lane)
   local s = provider_state(ctx, pkey)
