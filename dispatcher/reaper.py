@@ -10,7 +10,8 @@ A round never judges liveness across a gap in the fleet's view of Redis: ``reap_
 opens it, and when the last round is too long ago (Redis was down or restored) or ran on
 another server (a restart or a failover), it first gives every lease and replica a fresh
 period, and the round then reconciles in_flight with the leases the server holds (and the
-tenant counters with its job records).
+tenant counters with its job records). Silent workers are judged dead only a heartbeat TTL
+after the gap, and only once some worker has been heard since it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Reaper:
         self.redis = redis
         self.owner = owner
         self.rounds = 0
+        self._quiet_logged = 0  # the gap whose quiet fleet was last logged
         self._calls: Callable[[], ScriptCalls] = calls if callable(calls) else (lambda: calls)
         self._lost_event = events.encode(
             Failed.from_error(WorkerLost("the worker running this request was lost"))
@@ -125,11 +127,17 @@ class Reaper:
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
         stats.rehomed = await self.rehome()
-        if now >= round_.judge_from_ms:
+        if now >= round_.judge_from_ms and not round_.quiet_since_ms:
             # Not sooner after a gap, whichever process saw it: heartbeats could not be
             # written across it either, and a provider looks stale until its worker's next
-            # one, which must not answer its waiting jobs.
+            # one, which must not answer its waiting jobs. Nor while no worker at all has
+            # been heard since (lua/reap_round.lua): the fleet may be cut off as a whole.
             stats.refused = await self.refuse_unavailable()
+        elif now >= round_.judge_from_ms and round_.quiet_since_ms != self._quiet_logged:
+            self._quiet_logged = round_.quiet_since_ms
+            log.warning("no worker has reached Redis since the gap %.1fs ago: its silent workers "
+                        "are not taken for dead ones, and the jobs waiting for them wait",
+                        (now - round_.quiet_since_ms) / 1000)
         if self.rounds % RECONCILE_EVERY == 0 or gap_ms or new_server:
             stats.corrected = await self.reconcile()
             await self.forget_departed_consumers()

@@ -134,6 +134,7 @@ class Round:
     gap_ms: int  # > 0: time since the last round; -1: no round was ever recorded
     new_server: bool
     judge_from_ms: int  # server ms from which silent workers may be taken for dead ones
+    quiet_since_ms: int = 0  # > 0: no worker heard since the gap this round opened at
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,11 +365,12 @@ class ScriptCalls:
 
     async def reap_round(self, run_id: str) -> Round:
         d = self.config.dispatch
-        now, gap, changed, judge = await self.scripts.reap_round(
-            [keys.LEASES, keys.REPLICAS, keys.REAPER_SEEN],
+        providers = [keys.provider(p.id) for _, p in self.config.providers()]
+        now, gap, changed, judge, quiet = await self.scripts.reap_round(
+            [keys.LEASES, keys.REPLICAS, keys.REAPER_SEEN, *providers],
             [d.observation_gap_ms, d.lease_ms, d.replica_ttl_ms, run_id, d.heartbeat_ttl_ms],
         )
-        return Round(int(now), int(gap), bool(changed), int(judge))
+        return Round(int(now), int(gap), bool(changed), int(judge), int(quiet))
 
     async def reap_lease(self, job: str, rec: JobRecord, provider: str, node: str, lost_event: bytes) -> ReapOutcome:
         """``provider`` and ``node``: the record's, which a dispatched job always has."""

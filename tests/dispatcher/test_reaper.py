@@ -239,7 +239,7 @@ async def test_after_a_failover_no_reaper_judges_providers_by_heartbeats_for_a_t
     could not land across the failover for dead workers (as a waiting request answered 503
     no_provider_available would): the wait is the fleet's, kept in Redis, not the first
     reaper's."""
-    h = Harness(any_redis, make_config({"a": 1}, {"m": ["a"]}))
+    h = Harness(any_redis, make_config({"a": 1, "b": 1}, {"m": ["a"], "n": ["b"]}))
     await h.up("a")
     await h.submit("m")
     waiting, status = await h.submit("m")
@@ -260,13 +260,22 @@ async def test_after_a_failover_no_reaper_judges_providers_by_heartbeats_for_a_t
     assert stats is not None
     assert (stats.new_server, stats.gap_ms, stats.refused) == (False, 0, 0)
     assert await h.queued("m") == [waiting]
-    # A heartbeat TTL later (moved into the past, not waited for), a silent worker is dead.
+    # A heartbeat TTL later (moved into the past, not waited for), with no worker heard since
+    # the failover: the whole fleet may still be cut off from the new server. Nobody is judged.
     await h.redis.hset(keys.REAPER_SEEN, "judge", 0)
+    await h.redis.delete(keys.REAPER_LOCK)
+    stats = await second.run_once()
+    assert stats is not None
+    assert stats.refused == 0
+    assert await h.queued("m") == [waiting]
+    # Another worker reaches it (b's heartbeat): a's silence is its own, and it is dead.
+    await h.up("b")
     await h.redis.delete(keys.REAPER_LOCK)
     stats = await second.run_once()
     assert stats is not None
     assert stats.refused == 1
     assert await h.queued("m") == []
+    assert await h.redis.hget(keys.REAPER_SEEN, "quiet") is None
 
 async def test_a_provider_is_gone_when_a_reload_removed_it_or_its_worker_is_silent(h: Harness) -> None:
     # What decides whether a job pinned to a provider no lane serves is answered (rehome_queue).
