@@ -11,8 +11,10 @@ engine runs without queueing:
 * **Engine metrics** (vLLM, SGLang, llama.cpp's server: workers/engine_metrics.py), trusted
   first: an engine that queues (``waiting`` > 0) is full at what it runs, so the limit falls
   to its ``running`` (all clients' requests: load iop does not send counts against iop's
-  share, ``external``); an engine that queues nothing while iop fills every slot of its
-  share and has more waiting rises; a KV cache at least ``KV_FULL`` used holds it, and no
+  share, ``external``); an engine that runs the whole limit and queues nothing while iop
+  fills every slot of its share rises (with or without more waiting in iop: routing sends
+  the next job to another provider rather than wait for a full one, so no backlog need
+  form); a KV cache at least ``KV_FULL`` used holds it, and no
   rise goes more than a slot past what the KV holds at the use per request it reports.
 * **Latency**, everywhere, and alone when the engine says nothing (or its reading is older
   than ``STALE_S``): a request that waits in the engine shows it in its time to first token
@@ -21,7 +23,10 @@ engine runs without queueing:
   median of the last calls' ratio is over ``QUEUE_FACTOR`` x its unqueued level (a low
   quantile of a long window), the limit falls by that gradient (Envoy's gradient
   controller, on a signal a batching engine gives); it rises only on calls that showed no
-  queueing. A JSON call has no first token: its time per output token stands in.
+  queueing, and only with demand past the limit (jobs waiting in iop, or refused): calls
+  that ended say that each ran unqueued, not that the whole limit ran at once. A JSON call
+  has no first token: its time per output token stands in. (iop's own streams give the
+  engine path a reading where the engine gives none: ``FirstTokens``.)
 
 The limit rises multiplicatively (x ``SLOW_START``) until the provider first shows a queue,
 then by one slot per tick (``TICK_S``), and after a fall it does not try above where it
@@ -173,23 +178,26 @@ class LimitController:
         return now - self._last_tick >= TICK_S
 
     def tick(self, now: float, backlog: bool, external: int) -> Change | None:
-        """Move the limit, or not. ``backlog``: jobs wait in the provider's lanes;
-        ``external``: load iop does not send, counted against iop's share of the limit."""
+        """Move the limit, or not. ``backlog``: demand past the limit (jobs wait in the
+        provider's lanes, or were refused since the last tick); ``external``: load iop does
+        not send, counted against iop's share of the limit."""
         self._last_tick = now
         peak, self._peak_in_flight = self._peak_in_flight, 0
         # iop's own requests there past the limit: dispatched before it fell, or hits sent to
         # wait in their home's queue (lua/lib/home_room.lua), which is demand beyond it too.
         excess = max(peak - self.limit, 0)
-        # Every slot of iop's share was taken with more waiting: the provider is the bottleneck.
-        saturated = (backlog or excess > 0) and peak >= self.limit - external
+        # Every slot of iop's share was taken at some moment of the tick.
+        full = peak >= self.limit - external
         window = [r for r in self._readings if 0 <= now - r.at <= PERSIST_S]
         if len(window) >= 2 and now - window[-1].at <= STALE_S:
             self._remember(self._pending)
             self._pending = []
-            return self._by_engine(now, window, saturated, excess)
-        return self._by_latency(now, saturated)
+            return self._by_engine(now, window, full, backlog or excess > 0, excess)
+        # ... with more waiting: the provider is the bottleneck.
+        return self._by_latency(now, full and (backlog or excess > 0))
 
-    def _by_engine(self, now: float, window: list[EngineLoad], saturated: bool, excess: int) -> Change | None:
+    def _by_engine(self, now: float, window: list[EngineLoad], full: bool, demand: bool,
+                   excess: int) -> Change | None:
         """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
         request that arrived during a step waits for the next one; that is not a knee. An
         engine that sets its gauges only at events it logs (SGLang) is taken at its latest
@@ -221,8 +229,15 @@ class LimitController:
             return None
         # Proof that it runs the whole limit: a reading with all of it running and nothing
         # queued (a request that waits a step elsewhere in the window does not disprove it).
-        if saturated and any((r.waiting or 0) == 0 and (r.running or 0) >= self.limit for r in window):
-            return self._rise(now, "engine queue 0, every slot busy with more waiting", _kv_room(window))
+        # iop's share full is enough; demand waiting in iop is not needed. Routing sends each
+        # job to the provider least loaded for its limit, so a provider whose small limit is
+        # full loses the next job to one with a slot free: no backlog forms, and a limit that
+        # waited for one would stay at its start while the load went to the others (a batch-4
+        # server held at 2 for 22 s, docs/BENCHMARKS.md "Found, not fixed"). A rise nobody
+        # needs costs nothing: routing fills the new slot only where it is the least loaded.
+        if full and any((r.waiting or 0) == 0 and _ran(r) >= self.limit for r in window):
+            why = "engine queue 0, every slot busy" + (" with more waiting" if demand else "")
+            return self._rise(now, why, _kv_room(window))
         return None
 
     def _by_latency(self, now: float, saturated: bool) -> Change | None:
@@ -319,6 +334,18 @@ class LimitController:
         self.limit = target
         self.reason = f"{why}: {old} → {self.limit}"
         return Change(old, self.limit, self.reason)
+
+
+def _ran(reading: EngineLoad) -> int:
+    """The most the engine ran at a reading. SGLang sets its gauges as a prefill batch forms
+    (``running``: the batch before the new requests joined it; the new ones are only in its
+    log line) and every 40th decoding step (the batch then): a reading of the first kind with
+    nothing left queued ran at least one more than it says. Taking every event reading for
+    that kind overstates a decoding step's by one, at worst one slot tried too early; taking
+    none for it left a batch-4 SGLang server at 3 for 18 s, a reading of 4 running being
+    rare while every free slot is filled at once."""
+    running = reading.running or 0
+    return running + 1 if reading.at_events and not reading.waiting else running
 
 
 def _kv_room(window: list[EngineLoad]) -> int | None:

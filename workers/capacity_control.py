@@ -1,8 +1,9 @@
 """The worker's part of capacity: what it reads of each of its node's providers, and what it
 publishes of them for every API replica and worker (``lua/capacity.lua``).
 
-One loop per provider reads, every ``BUSY_READ_S`` while iop runs requests there and every
-``IDLE_READ_S`` while it does not:
+One loop per provider reads, every ``BUSY_READ_S`` while the provider is busy (iop runs
+requests there, or its engine reports any running or waiting) and every ``IDLE_READ_S``
+while it is not:
 
 * the engine's own load (workers/engine_metrics.py), where the provider's type publishes
   one: what it runs and queues beyond iop's ``in_flight`` there is **load iop does not
@@ -280,7 +281,11 @@ class CapacityControl:
                 if change is not None:
                     load.moved = True
                     log.info("capacity of %s: %s", pid, change.reason)
-        return in_flight > 0
+        # Busy by other clients' requests too: an engine they fill looks full to routing (their
+        # load counts against it), so iop sends it nothing, and a limit read once a second has
+        # no two readings in a tick's window to move on. A fast server under another client's
+        # load sat at its start of 2 for 11 s so.
+        return in_flight > 0 or (reading is not None and bool(reading.running or reading.waiting))
 
     async def _publish(self, load: ProviderLoad) -> None:
         limit = load.limit()

@@ -271,13 +271,46 @@ def test_slow_start_goes_no_more_than_a_slot_past_what_the_kv_holds() -> None:
     assert ctl.tick(now, backlog=True, external=0) is not None
     assert ctl.limit == 12
 
-def test_no_backlog_no_rise() -> None:
+def test_a_share_not_all_in_use_does_not_rise() -> None:
     clock = Clock()
     ctl = LimitController.starting(1, 64, start=4)
     for _ in range(10):
         now = clock.step()
-        ctl.note_in_flight(4)
-        read(ctl, now, 4, 0)
+        ctl.note_in_flight(3)
+        read(ctl, now, 4, 0)  # the engine runs four: one is another client's, not iop's share
+        ctl.tick(now, backlog=True, external=0)
+    assert ctl.limit == 4
+
+
+def test_a_full_share_the_engine_runs_unqueued_rises_without_a_backlog() -> None:
+    """Routing sends a job to the provider least loaded for its limit: a provider whose small
+    limit is full loses the next job to one with a slot free, and no backlog forms in iop.
+    The engine's word that it runs the whole limit and queues nothing is the proof a rise
+    needs; waiting for a backlog held a batch-4 server at 2 while the load went elsewhere.
+    The rise stops where the share is no longer all in use, and falls at the engine's queue."""
+    clock = Clock()
+    ctl = LimitController.starting(1, 64)
+    limits, reasons = [], []
+    demand = 6  # iop's requests there at most, whatever the limit (the rest went elsewhere)
+    for _ in range(40):
+        now = clock.step()
+        own = min(ctl.limit, demand)
+        ctl.note_in_flight(own)
+        running = min(own, 4)  # a batch of 4
+        read(ctl, now, running, own - running)
+        ctl.tick(now, backlog=False, external=0)
+        limits.append(ctl.limit)
+        reasons.append(ctl.reason)
+    assert limits[0] == 3, limits
+    assert reasons[0] == "engine queue 0, every slot busy: 2 → 3"
+    assert max(limits) <= 6, limits
+    assert all(4 <= x <= 5 for x in limits[10:]), limits  # at the knee, or trying one above
+    # With only two of iop's requests there, a limit of four is never all in use.
+    ctl = LimitController.starting(1, 64, start=4)
+    for _ in range(10):
+        now = clock.step()
+        ctl.note_in_flight(2)
+        read(ctl, now, 2, 0)
         ctl.tick(now, backlog=False, external=0)
     assert ctl.limit == 4
 
@@ -336,6 +369,22 @@ def test_gauges_set_at_events_whose_latest_word_is_no_queue_hold() -> None:
     ctl = LimitController.starting(1, 64, start=5)
     assert tick_on(ctl, clock, 5, (4, 1), (3, 0), at_events=True) is None
     assert ctl.limit == 5
+
+
+@pytest.mark.parametrize("at_events", [True, False])
+def test_a_prefill_s_gauges_count_the_batch_before_it_joined(at_events: bool) -> None:
+    # iop fills a limit of 4 and the engine queues nothing. SGLang's gauges, set as the prefill
+    # of the fourth forms, say 3 running: the batch it joined. Gauges set at every step
+    # (vLLM) that say 3 running are a fourth not there yet: no proof.
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=4)
+    change = tick_on(ctl, clock, 4, (3, 0), (3, 0), at_events)
+    if at_events:
+        assert change is not None
+        assert ctl.limit == 5
+    else:
+        assert change is None
+        assert ctl.limit == 4
 
 
 def test_a_stale_running_count_does_not_drag_the_limit_down() -> None:

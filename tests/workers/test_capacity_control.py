@@ -24,6 +24,7 @@ from dispatcher.qualifications import CapacitySeed
 from iop.redis_server import RedisServer, free_port
 from tests.waiting import eventually
 from workers.adapters import probes
+from workers.capacity import Change, LimitController
 from workers.worker import Worker
 
 pytestmark = pytest.mark.anyio
@@ -162,26 +163,66 @@ async def test_a_learned_capacity_falls_to_what_the_engine_runs_when_it_queues(
         assert [x[1] for x in view.capacity_history][-1] == 1
 
 
-async def test_requests_refused_for_want_of_time_count_as_demand(
+async def test_a_full_share_the_engine_runs_unqueued_rises_with_nothing_waiting_in_iop(
         redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
-    """Load shedding keeps the queue empty: the refusals lua/submit.lua counts per queue
-    (keys.shed_field) are the backlog that lets a low limit rise. One is enough, whenever it
-    lands between two ticks (the worker reads twice per tick: one seen at a reading that was
-    not a tick once went uncounted, so three in a row would have risen one time in eight)."""
+    """Routing sends the next job to a provider with a slot free, so a full provider shows no
+    backlog: the engine running the whole limit with nothing queued is the proof a rise needs."""
     async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16):
         await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
-        limit = 2
+        engine.running, engine.waiting = 2, 0
+        await busy(redis, 2, backlog=False)
+        risen = await until(redis, "risen", lambda f: int(f["capacity"]) > 2)
+        assert risen["cap_reason"] == f"engine queue 0, every slot busy: 2 → {risen['capacity']}"
+
+
+async def test_an_engine_busy_with_other_clients_is_read_as_busy_and_its_limit_rises(
+        redis: Redis, redis_server: RedisServer, engine: Engine) -> None:
+    """Another client runs three there, none of them iop's: routing counts them against the
+    provider, so at a limit of 2 iop sends it nothing. The engine is read at the busy pace
+    all the same, and what it runs unqueued is proof enough for the limit to rise."""
+    async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16):
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        engine.seen.clear()
+        await anyio.sleep(2.0)
+        idle = engine.seen.count("/metrics")
+        engine.running, engine.waiting = 3, 0
+        await until(redis, "busy", lambda f: '"running":3' in f.get("engine", ""))
+        engine.seen.clear()
+        await anyio.sleep(2.0)
+        busy = engine.seen.count("/metrics")
+        assert idle <= 3, idle  # once a second
+        assert busy >= 5, busy  # four times a second
+        risen = await until(redis, "risen", lambda f: int(f["capacity"]) > 2)
+        assert risen["cap_reason"].startswith("engine queue 0, every slot busy")
+
+
+async def test_requests_refused_for_want_of_time_count_as_demand(
+        redis: Redis, redis_server: RedisServer, engine: Engine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load shedding keeps the queue empty: the refusals lua/submit.lua counts per queue
+    (keys.shed_field) are demand past the limit, which a rise on latency alone needs. One is
+    enough, whenever it lands between two ticks (the worker reads twice per tick: one seen at
+    a reading that was not a tick once went uncounted). What the worker tells its controller
+    is read off its ticks."""
+    demand: list[bool] = []
+    tick = LimitController.tick
+
+    def recording(ctl: LimitController, now: float, backlog: bool, external: int) -> Change | None:
+        demand.append(backlog)
+        return tick(ctl, now, backlog, external)
+
+    monkeypatch.setattr(LimitController, "tick", recording)
+    async with serving(redis_server, engine, capacity="auto", min_capacity=1, max_capacity=16):
+        await until(redis, "published", lambda f: f.get("capacity_mode") == "auto")
+        await busy(redis, 2, backlog=False)
         for _ in range(3):
-            engine.running, engine.waiting = limit, 0
-            await busy(redis, limit, backlog=False)  # every slot busy, nothing waiting in iop
-            await until(redis, "busy", lambda f, n=limit: f'"running":{n}' in f.get("engine", ""))
-            # A second of busy readings (the engine's word a tick acts on), the counter as it was.
             await anyio.sleep(1.0)
-            assert int((await fields(redis))["capacity"]) == limit
+            assert demand  # the worker ticked
+            assert not any(demand), demand  # nothing waits, nothing refused
             await redis.hincrby(keys.QUEUE_RATES, keys.shed_field(keys.queue("m")), 1)
-            risen = await until(redis, "risen", lambda f, n=limit: int(f["capacity"]) > n)
-            assert "every slot busy with more waiting" in risen["cap_reason"]
-            limit = int(risen["capacity"])
+            await eventually(lambda: list(demand), any, what="a tick with demand", every=0.05)
+            await anyio.sleep(0.6)  # past the next tick: a refusal counts once
+            demand.clear()
 
 
 async def test_an_engine_back_after_being_down_with_other_slots_starts_from_them(
