@@ -28,9 +28,10 @@ engine runs without queueing:
   has no first token: its time per output token stands in. (iop's own streams give the
   engine path a reading where the engine gives none: ``FirstTokens``.)
 
-The limit rises multiplicatively (x ``SLOW_START``) until the provider first shows a queue,
-then by one slot per tick (``TICK_S``), and after a fall it does not try above where it
-fell from for ``HOLD_S``: it settles on the knee, or one above it, rather than sawing.
+The limit rises multiplicatively (x ``SLOW_START``) until the provider first shows a queue
+(one slot at a time while nothing more waits in iop), then by one slot per tick
+(``TICK_S``), and after a fall it does not try above where it fell from for ``HOLD_S``:
+it settles on the knee, or one above it, rather than sawing.
 A try that fails again from the same level doubles that hold, up to ``HOLD_MAX_S``: each
 try sends one request into the engine's queue, where it waits for a slot to free (on a
 small batch, about a whole request's time), so a knee found twice is tried seldom; a fall
@@ -233,11 +234,14 @@ class LimitController:
         # job to the provider least loaded for its limit, so a provider whose small limit is
         # full loses the next job to one with a slot free: no backlog forms, and a limit that
         # waited for one would stay at its start while the load went to the others (a batch-4
-        # server held at 2 for 22 s, docs/BENCHMARKS.md "Found, not fixed"). A rise nobody
+        # server held at 2 for 22 s, docs/BENCHMARKS.md "A limit that waited for a backlog"). A rise nobody
         # needs costs nothing: routing fills the new slot only where it is the least loaded.
         if full and any((r.waiting or 0) == 0 and _ran(r) >= self.limit for r in window):
             why = "engine queue 0, every slot busy" + (" with more waiting" if demand else "")
-            return self._rise(now, why, _kv_room(window))
+            # Without demand past the limit, one slot at a time: nothing waits for a faster
+            # climb, and slow start's x1.5 would put a batch-4 engine at 6, where a load
+            # that seldom queues it leaves the limit (slow-small-kv at 50%: limits 3-6).
+            return self._rise(now, why, _kv_room(window), slow=demand)
         return None
 
     def _by_latency(self, now: float, saturated: bool) -> Change | None:
@@ -316,10 +320,11 @@ class LimitController:
         self.reason = f"{why}: {old} → {self.limit}"
         return Change(old, self.limit, self.reason)
 
-    def _rise(self, now: float, why: str, kv_room: int | None = None) -> Change | None:
+    def _rise(self, now: float, why: str, kv_room: int | None = None, slow: bool = True) -> Change | None:
+        """Up a step: slow start's (``slow``, until the first queue), else one slot."""
         if self.limit >= self.ceiling:
             return None
-        step = max(1, math.ceil(self.limit * (SLOW_START - 1))) if self.slow_start else 1
+        step = max(1, math.ceil(self.limit * (SLOW_START - 1))) if self.slow_start and slow else 1
         target = min(self.limit + step, self.ceiling)
         if kv_room is not None and target > max(kv_room, self.limit + 1):
             # Past what its KV holds the engine queues (or preempts): no more than a slot
