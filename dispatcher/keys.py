@@ -61,7 +61,8 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:responses:t``    | zset   | response id -> expiry ms (bounds how many are remembered)      |
 | ``{iop}:reaper:seen``    | hash   | server ms and run id of the last reaper round: after a gap or |
 |                          |        | on a new server, expiries are renewed before anyone is judged |
-|                          |        | (and ``judge``: no heartbeat is judged before that server ms) |
+|                          |        | (and ``judge``: no heartbeat is judged before that server ms; |
+|                          |        | ``quiet``: nor until a provider's heartbeat is newer than it) |
 | ``{iop}:live:<model>|<p>``| hash  | live figures of provider p serving a model: ``<window>:<slot>`` |
 |                          |        | -> that bucket (msgpack, wire.LiveBucket; lua/live.lua)       |
 |                          |        | (uptime lives in the provider hash: ``up:<window>:<slot>``)   |

@@ -127,11 +127,11 @@ class Reaper:
         stats.replicas = await self.reap_replicas(now)
         stats.orphans = await self.reap_orphans(now)
         stats.rehomed = await self.rehome()
+        # Not sooner after a gap, whichever process saw it: heartbeats could not be written
+        # across it either, and a provider looks stale until its worker's next one, which
+        # must not answer its waiting jobs. Nor while no worker at all has been heard since
+        # (lua/reap_round.lua): the fleet may be cut off as a whole.
         if now >= round_.judge_from_ms and not round_.quiet_since_ms:
-            # Not sooner after a gap, whichever process saw it: heartbeats could not be
-            # written across it either, and a provider looks stale until its worker's next
-            # one, which must not answer its waiting jobs. Nor while no worker at all has
-            # been heard since (lua/reap_round.lua): the fleet may be cut off as a whole.
             stats.refused = await self.refuse_unavailable()
         elif now >= round_.judge_from_ms and round_.quiet_since_ms != self._quiet_logged:
             self._quiet_logged = round_.quiet_since_ms

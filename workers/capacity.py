@@ -187,15 +187,15 @@ class LimitController:
         # iop's own requests there past the limit: dispatched before it fell, or hits sent to
         # wait in their home's queue (lua/lib/home_room.lua), which is demand beyond it too.
         excess = max(peak - self.limit, 0)
-        # Every slot of iop's share was taken at some moment of the tick.
-        full = peak >= self.limit - external
+        # Every slot of iop's share was taken at some moment of the tick; more wanted it.
+        full, demand = peak >= self.limit - external, backlog or excess > 0
         window = [r for r in self._readings if 0 <= now - r.at <= PERSIST_S]
         if len(window) >= 2 and now - window[-1].at <= STALE_S:
             self._remember(self._pending)
             self._pending = []
-            return self._by_engine(now, window, full, backlog or excess > 0, excess)
-        # ... with more waiting: the provider is the bottleneck.
-        return self._by_latency(now, full and (backlog or excess > 0))
+            return self._by_engine(now, window, full, demand, excess)
+        # Both: the provider is the bottleneck.
+        return self._by_latency(now, full and demand)
 
     def _by_engine(self, now: float, window: list[EngineLoad], full: bool, demand: bool,
                    excess: int) -> Change | None:
@@ -234,8 +234,8 @@ class LimitController:
         # job to the provider least loaded for its limit, so a provider whose small limit is
         # full loses the next job to one with a slot free: no backlog forms, and a limit that
         # waited for one would stay at its start while the load went to the others (a batch-4
-        # server held at 2 for 22 s, docs/BENCHMARKS.md "A limit that waited for a backlog"). A rise nobody
-        # needs costs nothing: routing fills the new slot only where it is the least loaded.
+        # server held at 2 for 22 s, docs/BENCHMARKS.md "A limit that waited for a backlog").
+        # A slot nobody needs costs little: routing fills it only where it is the least loaded.
         if full and any((r.waiting or 0) == 0 and _ran(r) >= self.limit for r in window):
             why = "engine queue 0, every slot busy" + (" with more waiting" if demand else "")
             # Without demand past the limit, one slot at a time: nothing waits for a faster
