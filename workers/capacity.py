@@ -193,12 +193,12 @@ class LimitController:
         if len(window) >= 2 and now - window[-1].at <= STALE_S:
             self._remember(self._pending)
             self._pending = []
-            return self._by_engine(now, window, full, demand, excess)
+            return self._by_engine(now, window, full, demand, excess, peak + external)
         # Both: the provider is the bottleneck.
         return self._by_latency(now, full and demand)
 
     def _by_engine(self, now: float, window: list[EngineLoad], full: bool, demand: bool,
-                   excess: int) -> Change | None:
+                   excess: int, holds: int) -> Change | None:
         """A queue only counts when every reading of the last ``PERSIST_S`` shows one: a
         request that arrived during a step waits for the next one; that is not a knee. An
         engine that sets its gauges only at events it logs (SGLang) is taken at its latest
@@ -211,16 +211,21 @@ class LimitController:
         queued = waits[-1] if window[-1].at_events else min(waits)
         beyond = queued - excess
         if beyond > 0:
-            # What the engine runs at most while it queues, and iop's share of the queue: the
-            # limit falls to the one or by the other, whichever moves it less (a stale
-            # reading's running may be low).
+            # What the engine runs while it queues: its own count (at most, over the window),
+            # or, where that count is stale and low (SGLang's, set as a prefill batch forms,
+            # leaves out the batch joining), what it ``holds`` less what it queues: iop's
+            # requests there at most this tick and the load iop does not send. The limit falls
+            # to the higher of the two, and at least by iop's share of the queue: a limit slow
+            # start took past the knee (14 → 21 on a batch of 16) is seldom filled, and a fall
+            # by the queue its demand made left it 3 over.
             running = max(r.running or 0 for r in window)
-            target = max(self.floor, running, self.limit - beyond)
+            ran = max(running, holds - queued)
+            target = max(self.floor, running, min(ran, self.limit - beyond))
             if target < self.limit:
                 # Its KV had room for another at the use per request it reports, and it did
                 # not run one: what stopped it is its batch cap, not memory.
                 free = _kv_free_for(window)
-                capped = free is not None and free >= 1 and target == running
+                capped = free is not None and free >= 1 and target == ran
                 return self._fall(now, target, f"engine queue {queued} at {running} running"
                                   + (f" (its KV had room for {free} more: a batch cap)" if capped else ""), capped)
             return None

@@ -387,6 +387,32 @@ def test_a_prefill_s_gauges_count_the_batch_before_it_joined(at_events: bool) ->
         assert ctl.limit == 4
 
 
+@pytest.mark.parametrize("at_events", [True, False])
+def test_a_limit_past_the_knee_that_demand_seldom_fills_falls_to_what_the_engine_runs(at_events: bool) -> None:
+    # Slow start took a batch-16 engine's limit to 21; iop's demand puts 18 there and the
+    # engine queues 2, its KV with room to spare. It runs 16 (SGLang's gauge, set as the
+    # prefill of the 16th forms, says 15): the knee is 16, not 21 less the queue of 2.
+    clock = Clock()
+    ctl = LimitController.starting(1, 64, start=21)
+    now = clock.step()
+    ctl.note_in_flight(18)
+    seen = 15 if at_events else 16
+    for at in (now - TICK_S / 2, now):
+        ctl.note_engine(engine(seen, 2, kv=0.5, at=at, at_events=at_events))
+    change = ctl.tick(now, backlog=False, external=0)
+    assert change is not None
+    assert ctl.limit == 16
+    # At half its KV, the engine had room for as many again.
+    assert ctl.reason == f"engine queue 2 at {seen} running (its KV had room for {seen} more: a batch cap): 21 → 16"
+    # Load another client sends is in what the engine holds too: 14 of iop's and 4 of its.
+    ctl = LimitController.starting(1, 64, start=21)
+    ctl.note_in_flight(14)
+    for at in (now - TICK_S / 2, now):
+        ctl.note_engine(engine(seen, 2, kv=0.5, at=at, at_events=at_events))
+    ctl.tick(now, backlog=False, external=4)
+    assert ctl.limit == 16
+
+
 def test_a_stale_running_count_does_not_drag_the_limit_down() -> None:
     # SGLang's gauges, refreshed when a prefill batch forms, count what ran before it: a
     # queue of one at 2 "running" under a limit of 8 takes a slot off, not six.
