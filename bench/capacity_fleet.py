@@ -652,10 +652,13 @@ class Runner:
             print(f"  {target.name}: FAILED: {exc!r}", flush=True)
             return None
         r = m.main
+        # Where affinity sent the requests (the whole run's decisions, from /catalog at its end).
+        decided = getattr(target, "decisions", None) or {}
         print(f"  {target.name}: {len(r.measured())} measured, goodput {r.goodput(self.args.slo_ms / 1000):.2f}/s, "
               f"TTFT p50/p90 {fmt_ms(ttfts_ms(r), 50)}/{fmt_ms(ttfts_ms(r), 90)} ms, unanswered {unanswered(r)}, "
               f"errors {errors(r)}, limits {limits(m, self.args.warmup)}, late steps {r.late_steps() * 100:.1f}% "
-              f"({time.monotonic() - began:.0f} s)", flush=True)
+              f"({time.monotonic() - began:.0f} s)"
+              + "".join(f", {k} {v:,}" for k, v in sorted(decided.items())), flush=True)
         return m
 
     def loads(self, scenario: str) -> Sequence[float]:
