@@ -658,7 +658,10 @@ class Runner:
               f"TTFT p50/p90 {fmt_ms(ttfts_ms(r), 50)}/{fmt_ms(ttfts_ms(r), 90)} ms, unanswered {unanswered(r)}, "
               f"errors {errors(r)}, limits {limits(m, self.args.warmup)}, late steps {r.late_steps() * 100:.1f}% "
               f"({time.monotonic() - began:.0f} s)"
-              + "".join(f", {k} {v:,}" for k, v in sorted(decided.items())), flush=True)
+              + "".join(f", {k} {v:,}" for k, v in sorted(decided.items()))
+              # Blocks the servers' caches evicted to admit requests (the whole run).
+              + f", KV blocks evicted {'/'.join(str(s.get('kv_evictions', '?')) for s in r.server_stats)}",
+              flush=True)
         return m
 
     def loads(self, scenario: str) -> Sequence[float]:
