@@ -132,7 +132,7 @@ class Reaper:
         # must not answer its waiting jobs. Nor while no worker at all has been heard since
         # (lua/reap_round.lua): the fleet may be cut off as a whole.
         if now >= round_.judge_from_ms and not round_.quiet_since_ms:
-            stats.refused = await self.refuse_unavailable()
+            stats.refused = await self.refuse_unavailable(now)
         elif now >= round_.judge_from_ms and round_.quiet_since_ms != self._quiet_logged:
             self._quiet_logged = round_.quiet_since_ms
             log.warning("no worker has reached Redis since the gap %.1fs ago: its silent workers "
@@ -162,10 +162,11 @@ class Reaper:
             moved += await rehome_queue(self.calls, queue, BATCH)
         return moved
 
-    async def refuse_unavailable(self) -> int:
+    async def refuse_unavailable(self, opened_ms: int) -> int:
         """Waiting jobs whose lanes have no provider that can take work (its worker died, or a
-        model's hold ran out): answered 503 no_provider_available now, not at their deadline."""
-        refused = await self.calls.refuse()
+        model's hold ran out): answered 503 no_provider_available now, not at their deadline.
+        ``opened_ms``: the round's server time (``ScriptCalls.refuse``)."""
+        refused = await self.calls.refuse(opened_ms)
         if refused:
             log.warning("%d waiting requests answered no_provider_available: no provider of theirs is up", refused)
         return refused

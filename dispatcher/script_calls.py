@@ -162,9 +162,8 @@ class ScriptCalls:
         self._lease_ms = d.lease_ms
         self._queue_limits = {m.id: (config.queue_timeout_ms(m), config.max_queue(m)) for m in config.models}
         self._shed = {m.id: config.refuse_predicted_over_ms(m) or 0 for m in config.models}
-        refusal = wire.Refusal(keys.reply(""), keys.replica_jobs(""), REPLY_KEEP_MS, REFUSE_LIMIT)
-        self._refusal = wire.encode(refusal)
-        self._sweep = wire.encode(msgspec.structs.replace(refusal, silent_is_down=True))
+        self._refusal_options = wire.Refusal(keys.reply(""), keys.replica_jobs(""), REPLY_KEEP_MS, REFUSE_LIMIT)
+        self._refusal = wire.encode(self._refusal_options)
         # (model, lane, endpoint, pin) -> the queue a requeued job of that lane goes back to.
         self._homes: dict[tuple[str, str, str, str | None], str] = {}
 
@@ -355,13 +354,17 @@ class ScriptCalls:
             [*keys.JOB_KEYS, queue, keys.TENANTS, keys.reply(replica), keys.replica_jobs(replica)],
             [REPLY_KEEP_MS, _PROVIDER_GONE, *jobs]))
 
-    async def refuse(self) -> int:
+    async def refuse(self, opened_ms: int) -> int:
         """Answer no_provider_available the jobs waiting in lanes none of whose providers can
-        take work now, counting a provider whose worker is silent as down (a reaper round:
-        Redis was reachable); returns how many."""
+        take work now, counting a provider whose worker is silent as down: a reaper round's,
+        which opened at server ms ``opened_ms`` with Redis reachable until then. Past an
+        observation gap after that, silence proves nothing (``wire.Refusal``). Returns how
+        many."""
         plan = self.plans.everything
         ks, head = plan.args(keys.PUMP_KEYS, self._lease_ms)
-        return int(await self._pump(self.scripts.refuse, plan, ks, [*head, self._sweep]))
+        sweep = msgspec.structs.replace(
+            self._refusal_options, silent_down_until_ms=opened_ms + self.config.dispatch.observation_gap_ms)
+        return int(await self._pump(self.scripts.refuse, plan, ks, [*head, wire.encode(sweep)]))
 
     async def reap_round(self, run_id: str) -> Round:
         d = self.config.dispatch

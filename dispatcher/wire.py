@@ -149,9 +149,12 @@ class Refusal(msgspec.Struct, frozen=True):
     replica_jobs: str  # replica job set key prefix: + the job's replica id
     ttl_ms: int  # of a reply stream, refreshed by the answer
     limit: int  # most jobs refused per lane per call (the rest at the next call)
-    # A provider whose worker is silent (never heard of, heartbeat past its TTL) counts as down:
-    # only in a reaper round, which knows that Redis was reachable meanwhile.
-    silent_is_down: bool = False
+    # A provider whose worker is silent (never heard of, heartbeat past its TTL) counts as down
+    # until this server ms (0: never): only in a reaper round, which knows that Redis was
+    # reachable until it opened, and for an observation gap after that. A round whose call
+    # was retried across a failover would otherwise judge on the new server, seconds later,
+    # heartbeats that could not land there meanwhile (or were lost with its writes).
+    silent_down_until_ms: int = 0
 
 
 class CapacityReport(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -5,7 +5,8 @@
 -- after it was first seen with no provider (rec.hold_until_ms). `refusal` (dispatcher/wire.py
 -- Refusal): reply and replica_jobs key prefixes (the job's replica completes them: every
 -- key shares the {iop} slot), ttl_ms of a reply stream, limit of jobs refused per call,
--- silent_is_down (lib/unavailable_reason.lua). Returns the number refused.
+-- silent_down_until_ms (a silent worker's provider counts as down until then: a reaper
+-- round's, lib/unavailable_reason.lua). Returns the number refused.
 --!include lib/jobs.lua
 --!include lib/queue_of.lua
 --!include lib/emptied.lua
@@ -17,7 +18,7 @@ local function refuse_unavailable(lane, now, refusal)
     emptied(qkey)
     return 0
   end
-  local why = unavailable_lane(lane, now, refusal.silent_is_down)
+  local why = unavailable_lane(lane, now, now <= refusal.silent_down_until_ms)
   if why == nil then return 0 end
   local refused = 0
   for _, job in ipairs(redis.call('ZRANGE', qkey, 0, refusal.limit - 1)) do

@@ -3,7 +3,8 @@
 -- catalog's health), held to it by tests/dispatcher/test_wire.py. A provider whose worker is
 -- silent (never heard of, or a heartbeat past its TTL) counts as down only when
 -- `silent_is_down`: a reaper round says so, which knows whether Redis itself was away (no
--- heartbeat could land then); a submit or a heartbeat does not. A provider whose worker is
+-- heartbeat could land then), and only within an observation gap of its opening
+-- (dispatcher/wire.py Refusal); a submit or a heartbeat does not. A provider whose worker is
 -- leaving (SIGTERM: workers/worker.py marks it `leaving`) is treated as that worker's silence
 -- until its heartbeat's TTL: another worker of the node (a rolling restart) takes it over with
 -- its next heartbeat, and nobody is refused in between.

@@ -62,7 +62,7 @@ async def test_a_lane_with_another_provider_up_keeps_its_jobs(harness: Any) -> N
     await h.node.heartbeat("a", "unavailable", [("reason", "down")])
     assert await answers(h) == {}
     assert await h.queued("m") == [waiting]
-    assert await h.calls.refuse() == 0
+    assert await h.calls.refuse(await h.now_ms()) == 0
 
 
 async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> None:
@@ -70,13 +70,32 @@ async def test_a_reaper_sweep_answers_jobs_whose_worker_died(harness: Any) -> No
     await h.up("a")
     await h.submit("m")
     waiting, _ = await h.submit("m")
-    assert await h.calls.refuse() == 0
+    assert await h.calls.refuse(await h.now_ms()) == 0
     # Its worker died: no heartbeat says so, the last one only expires.
     await h.redis.hset(keys.provider("a"), "hb_exp", 1)
-    assert await h.calls.refuse() == 1
+    assert await h.calls.refuse(await h.now_ms()) == 1
     refused = (await answers(h))[waiting]
     assert refused.code == "no_provider_available"
     assert "a: stale heartbeat: last one" in refused.message
+
+
+async def test_a_reaper_round_judges_silence_only_near_when_it_opened(harness: Any) -> None:
+    """A round's call retried across a failover runs on the new server seconds after the
+    round opened on the old one, where no heartbeat could land meanwhile (or was lost with
+    the writes the replica never got): its silence is not death. A sentinel failover under
+    load once had 6 waiting requests refused so (tests/e2e/test_failover.py)."""
+    h = harness(make_config({"a": 1}, {"m": ["a"]}))
+    await h.up("a")
+    await h.submit("m")
+    waiting, _ = await h.submit("m")
+    await h.redis.hset(keys.provider("a"), "hb_exp", 1)  # silent, its heartbeat expired
+    gap_ms = h.config.dispatch.observation_gap_ms
+    assert await h.calls.refuse(await h.now_ms() - gap_ms - 1_000) == 0
+    assert await answers(h) == {}
+    assert await h.queued("m") == [waiting]
+    # The same silence, judged by a round that opened just now, is death.
+    assert await h.calls.refuse(await h.now_ms()) == 1
+    assert (await answers(h))[waiting].code == "no_provider_available"
 
 
 async def left_with_one_waiting(harness: Any) -> tuple[Harness, str]:
@@ -96,7 +115,7 @@ async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provid
     h, waiting = await left_with_one_waiting(harness)
     arrived, status = await h.submit("m")
     assert status == "queued"  # not refused: another worker of the node may be about to take it
-    assert await h.calls.refuse() == 0  # nor by a reaper round, within the leaving beat's TTL
+    assert await h.calls.refuse(await h.now_ms()) == 0  # nor by a reaper round, within the leaving beat's TTL
     assert await answers(h) == {}
     # The other worker's heartbeat takes the provider over and clears the mark.
     await h.node.heartbeat("a", "available", [("capacity", 2), ("node", "n1"), ("leaving", "")])
@@ -106,9 +125,9 @@ async def test_a_leaving_worker_refuses_nobody_while_another_may_take_its_provid
 
 async def test_a_leaving_worker_nobody_takes_over_refuses_after_its_heartbeat_ttl(harness: Any) -> None:
     h, waiting = await left_with_one_waiting(harness)
-    assert await h.calls.refuse() == 0
+    assert await h.calls.refuse(await h.now_ms()) == 0
     await h.redis.hset(keys.provider("a"), "hb_exp", 1)  # its TTL passed with no other worker's beat
-    assert await h.calls.refuse() == 1
+    assert await h.calls.refuse(await h.now_ms()) == 1
     refused = (await answers(h))[waiting]
     assert refused.code == "no_provider_available"
     assert "a: its worker left" in refused.message
@@ -133,10 +152,10 @@ async def test_a_held_job_is_answered_only_after_the_hold(harness: Any) -> None:
     # Its hold starts now: not refused yet.
     assert before + hold_ms <= (await h.record(later)).hold_until_ms <= after + hold_ms
     assert await answers(h) == {}
-    assert await h.calls.refuse() == 0
+    assert await h.calls.refuse(await h.now_ms()) == 0
     assert await answers(h) == {}
     await h.backdate(later, "hold_until_ms", hold_ms)  # the hold has run out
-    assert await h.calls.refuse() == 1
+    assert await h.calls.refuse(await h.now_ms()) == 1
     assert (await answers(h))[later].code == "no_provider_available"
 
 
