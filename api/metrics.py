@@ -230,6 +230,31 @@ class _CatalogCollector(Collector):
         yield from self._affinity()
         yield from self._tenants()
         yield from self._live()
+        yield from self._lifecycle()
+
+    def _lifecycle(self) -> Iterator[Metric]:
+        """Models that load and unload, per managed provider and served name: what its runtime
+        holds, and the loads, unloads and failed loads counted in Redis (every replica reports
+        the fleet's)."""
+        pair = ["provider", "model"]
+        loaded = GaugeMetricFamily("iop_model_loaded", "1 while the provider's runtime holds the model loaded",
+                                   labels=pair)
+        loads = CounterMetricFamily("iop_model_loads", "Loads of the model on the provider: placed by iop "
+                                    "(demand), or seen done by the runtime itself (runtime)", labels=[*pair, "reason"])
+        unloads = CounterMetricFamily("iop_model_unloads", "Unloads of the model on the provider: to make room "
+                                      "for another (evict), or by the runtime itself (runtime)",
+                                      labels=[*pair, "reason"])
+        failed = CounterMetricFamily("iop_model_load_failures", "Loads iop placed that failed", labels=pair)
+        for p in self.catalog.providers:
+            for served, state in p.models_state.items():
+                loaded.add_metric([p.id, served], 1 if state.state == "loaded" else 0)
+                for reason, n in state.loads.items():
+                    loads.add_metric([p.id, served, reason], n)
+                for reason, n in state.unloads.items():
+                    unloads.add_metric([p.id, served, reason], n)
+                if state.load_failures:
+                    failed.add_metric([p.id, served], state.load_failures)
+        yield from (loaded, loads, unloads, failed)
 
     def _live(self) -> Iterator[Metric]:
         """The live figures from traffic (dispatcher/live.py), per provider x model and window;

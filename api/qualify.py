@@ -49,14 +49,28 @@ PROVIDER_HEADER = "x-iop-provider"
 _UI = (Path(__file__).resolve().parent / "qualify.html").read_bytes()
 
 
+# Each is the caller's (or the operator's) to fix, so each answers with a client-side type.
 class QualifyRefused(RequestError):
     status = 409
+    type = "invalid_request_error"
     code = "qualification_refused"
 
 
 class QualifyOff(RequestError):
     status = 404
+    type = "invalid_request_error"
     code = "qualification_off"
+
+
+class ReportNotFound(RequestError):
+    status = 404
+    type = "invalid_request_error"
+    code = "qualification_not_found"
+
+
+# How to turn qualification on, for every answer that finds it off.
+ENABLE = ("add a `qualify:` section to the config (`qualify: {}` takes the defaults; docs/QUALIFY.md) "
+          "and restart iop")
 
 
 def version() -> str:
@@ -94,7 +108,8 @@ class Run(msgspec.Struct, frozen=True):
 
 def _enabled(rt: Runtime) -> None:
     if rt.config.qualify is None:
-        raise QualifyOff("Qualification runs are off: add a qualify section to the config (docs/QUALIFY.md)")
+        raise QualifyOff(f"Qualification runs are off in this iop: its config has no `qualify:` section. To run "
+                         f"them, {ENABLE}.")
 
 
 async def _capacity(gw: Gateway, provider: str, default: int) -> int:
@@ -202,8 +217,15 @@ async def _report(gw: Gateway, model_id: str, index: int) -> Report:
     except RedisError as exc:
         raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
     if found is None:
-        raise ModelNotFound(model_id) if model_id not in gw.runtime.models and index == 0 else QualifyRefused(
-            f"no qualification report {index} of '{model_id}' is kept")
+        if model_id not in gw.runtime.models and index == 0:
+            raise ModelNotFound(model_id)
+        if index == 0:
+            how = f"`iop qualify --model {model_id}` makes one"
+            if gw.runtime.config.qualify is None:
+                how = f"qualification runs are off in this iop: {ENABLE}, then {how}"
+            raise ReportNotFound(f"No qualification report of '{model_id}' yet: {how} (docs/QUALIFY.md)")
+        raise ReportNotFound(f"No qualification report {index} of '{model_id}' is kept (0 is the latest; "
+                             f"GET /qualifications/{model_id}/runs lists the kept ones)")
     return found
 
 

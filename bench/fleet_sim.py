@@ -20,6 +20,11 @@ the settings to change; what runs from the next step on uses them); ``POST /sim/
 empties the cache, zeroes the counters and restores the start-up settings between benchmark
 runs (409 while requests run).
 
+With ``--models a,b,c`` it swaps models as llama.cpp's llama-server does in router mode
+(``--models-dir``, ``--models-max``; tools/server/server-models.cpp and server.cpp), and
+serves its model-management API instead of SGLang's: see *Model swapping* below. Without
+``--models`` nothing of it exists and the server is the one described here.
+
 What is modelled
 ================
 
@@ -82,6 +87,68 @@ prefix hit: 30 ms), 2,048 prefill tokens per step, 8 running requests at most. A
 figures are therefore simulated, not those of any GPU; the ratios between prefill and
 decode are in the range of a mid-sized model on one accelerator.
 
+Model swapping (``--models``, llama.cpp's router mode)
+=====================================================
+
+    python -m bench.fleet_sim --port P --models a,b,c [--models-max 4] [--load-ms 1000] [--preload a]
+
+The server holds at most ``--models-max`` of the models it can serve (0: no limit; 4 is
+llama-server's default) and ``--preload`` ones are loaded at start (llama-server's
+``load-on-startup`` presets; more than ``--models-max`` is refused, as llama-server refuses
+them). As the router runs one child llama-server per loaded model, each loaded model here
+has a batch, a KV cache and a step loop of its own (a ``Scheduler`` each, with the settings
+above): loaded models run independently, and a load costs time only to the requests of the
+model it loads. A load takes ``--load-ms`` (the child's start and the model's reading),
+during which the model is ``loading``; an unload is immediate. What the router does, done
+here the same way:
+
+* ``GET /models`` and ``GET /v1/models`` list every model: ``{"data": [{"aliases": [],
+  "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+  "can_remove": false, "created": <unix time>, "id": "a", "object": "model", "owned_by":
+  "llamacpp", "source": "models_dir", "status": {"args": [...], "value":
+  "loaded"|"loading"|"unloaded"}, "tags": []}, ...], "object": "list"}`` (keys sorted, as
+  nlohmann::json writes them; a model whose load was cut short also has ``"exit_code": 1,
+  "failed": true`` in its status until it loads again).
+* ``POST /models/load`` ``{"model": "a"}``: starts the load and answers ``{"success": true}``
+  at once (the load goes on; ``GET /models`` shows it); 404 ``model is not found``, 400
+  ``model is already running`` (loaded or loading). ``POST /models/unload`` ``{"model":
+  "a"}``: ``{"success": true}``; 400 ``model is not found`` or ``model is not running``.
+  Errors are the router's: ``{"error": {"code": 400, "message": ..., "type":
+  "invalid_request_error"}}`` (404: ``not_found_error``; 500: ``server_error``).
+* A chat or completion request names its model (400 ``model name is missing from the
+  request`` or ``model 'x' not found`` otherwise); one for a model not loaded loads it
+  (autoload, the router's default) and waits, with every other request for it, until it is
+  loaded: the load is part of their time to first token. A request marks its model used
+  when it is sent on to it (after any load); loads mark it too.
+* A load with ``--models-max`` models loaded or loading first unloads the least recently
+  used of them -- whether or not it is busy, as the router's ``unload_lru`` does: the
+  requests running or queued on it are cut off (a stream ends without ``[DONE]``, the
+  connection closed; a JSON answer not yet begun is a 500), and a model still loading is
+  killed, failing the requests that waited for it (500 ``model name=a failed to load``).
+* ``GET /props`` is the router's (``{"build_info": ..., "cors_proxy_enabled": false,
+  "default_generation_settings": {"n_ctx": 0, "params": {}}, "max_instances": <--models-max>,
+  "model_alias": "llama-server", "model_path": "none", "models_autoload": true, "role":
+  "router", "ui_settings": {}}``); ``GET /props?model=a`` its child's (``total_slots``: the
+  batch, ``n_ctx``, ``model_alias``), while it runs.
+* ``GET /metrics?model=a`` is that model's engine metrics (as ``--metrics`` says) while it
+  runs, 400 ``model is not loaded`` when it does not (the router would load it: not here,
+  so that a scraper cannot move models), 400 without ``model``. SGLang's endpoints
+  (``/get_server_info``, ``/get_load``, ...) are not served (404), as llama-server has none.
+* ``/sim/stats`` adds ``models`` (each one's ``status``, ``running``, ``waiting``, and
+  ``requests`` its engine answered since it last loaded), ``loads`` (``{"request": n, "api": n}``: autoloads and
+  ``/models/load``'s), ``unloads`` (``{"api": n, "lru": n}``), ``cut_off`` (requests cut off
+  by an unload), ``failed_loads`` (loads killed while loading) and ``swap`` (the settings);
+  the engine counters are summed over every model's engine since the last reset (those
+  unloaded since included), ``max_waiting`` their largest. ``/sim/control`` changes every
+  model's engine and those loaded later. ``/sim/reset`` (409 while a request runs or a
+  model loads) unloads everything, zeroes the counters and loads the ``--preload`` models
+  again, at once.
+
+Left out of it: the router's own cost (it proxies every request to its child over HTTP),
+presets, aliases, downloads, sleeping children, a child's ``loaded_info`` in ``/models``,
+the models' sharing of one accelerator (they run side by side without slowing each other),
+and a failed load (every load succeeds unless an unload kills it).
+
 Left out
 ========
 
@@ -135,6 +202,35 @@ class SimConfig:
     catch_up_ms: float = 50.0
     slowdown: float = 1.0  # multiplies every step's cost: a server slowed down (another model, a shared GPU)
     metrics: str = "vllm"  # the engine whose /metrics it serves (METRICS), or none
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Model swapping as llama.cpp's llama-server does it in router mode (see *Model swapping*)."""
+
+    models: tuple[str, ...]  # what it can serve (its --models-dir)
+    models_max: int = 4  # loaded (or loading) at once; 0: no limit -- llama-server's --models-max
+    load_ms: float = 1000.0  # a load's duration
+    preload: tuple[str, ...] = ()  # loaded at start (load-on-startup presets), in this order
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (llama-server refuses the same at start)."""
+        out = []
+        if not self.models or len(set(self.models)) != len(self.models) or not all(self.models):
+            out.append("--models must name distinct, non-empty models")
+        if self.models_max < 0:
+            out.append("--models-max must be 0 (no limit) or more")
+        if self.load_ms < 0:
+            out.append("--load-ms must be 0 or more")
+        unknown = [m for m in self.preload if m not in self.models]
+        if unknown:
+            out.append(f"--preload names models not in --models: {', '.join(unknown)}")
+        if len(set(self.preload)) != len(self.preload):
+            out.append("--preload names a model twice")
+        if self.models_max and len(self.preload) > self.models_max:
+            out.append(f"number of models to load on startup ({len(self.preload)}) exceeds models_max "
+                       f"({self.models_max})")
+        return out
 
 
 METRICS: Final = ("vllm", "sglang", "none")
@@ -297,7 +393,7 @@ class TooLong(ValueError):
 
 
 class SimRequest:
-    __slots__ = ("arrival", "cached_tokens", "done", "event", "first_token_at", "generated", "hashes",
+    __slots__ = ("aborted", "arrival", "cached_tokens", "done", "event", "first_token_at", "generated", "hashes",
                  "max_tokens", "pinned", "prefilled", "prompt_tokens", "registered", "reserved", "total_blocks")
 
     def __init__(self, prompt_tokens: int, hashes: list[bytes], max_tokens: int, total_blocks: int,
@@ -315,6 +411,7 @@ class SimRequest:
         self.pinned: list[bytes] = []
         self.first_token_at: float | None = None
         self.done = False
+        self.aborted = False  # cut off: its model was unloaded under it (model swapping)
         self.event = asyncio.Event()  # set whenever generated or done changes
 
 
@@ -527,12 +624,215 @@ class Scheduler:
         self.measure()
 
 
+# --------------------------------------------------------------------------- model swapping
+
+
+LOADED: Final = "loaded"
+LOADING: Final = "loading"
+UNLOADED: Final = "unloaded"
+
+
+class LoadFailed(RuntimeError):
+    pass
+
+
+def summed(a: Stats, b: Stats) -> Stats:
+    """Two engines' counters together (the deepest queue: the larger)."""
+    out = Stats(**{k: v + getattr(b, k) for k, v in asdict(a).items()})
+    out.max_waiting = max(a.max_waiting, b.max_waiting)
+    return out
+
+
+class Instance:
+    """One model of a router: unloaded, loading, or loaded with an engine (a child
+    llama-server: a ``Scheduler`` and its step loop) of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.status = UNLOADED
+        self.failed = False  # its last load was killed (llama-server: unloaded with an exit code)
+        self.last_used = 0.0  # monotonic; the router's LRU order
+        self.scheduler: Scheduler | None = None
+        self.task: asyncio.Task[None] | None = None  # the load, then the engine's step loop
+        self._changed = asyncio.Event()
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()  # wakes whoever waits for this change
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class Router:
+    """The models of a server that swaps them (``SwapConfig``), as llama-server's router
+    keeps them (tools/server/server-models.cpp: ``load``, ``unload_lru``,
+    ``ensure_model_ready``)."""
+
+    def __init__(self, config: SimConfig, swap: SwapConfig) -> None:
+        problems = swap.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.config = config
+        self.swap = swap
+        self.instances = {name: Instance(name) for name in swap.models}
+        self._zero()
+
+    def _zero(self) -> None:
+        self.retired = Stats()  # the counters of engines since unloaded
+        self.retired_kv_evictions = 0
+        self.loads: Counter[str] = Counter({"request": 0, "api": 0})
+        self.unloads: Counter[str] = Counter({"api": 0, "lru": 0})
+        self.cut_off = 0
+        self.failed_loads = 0
+
+    def preload(self) -> None:
+        """Load the ``--preload`` models at once (in their order: the first is the least recently used)."""
+        for name in self.swap.preload:
+            inst = self.instances[name]
+            inst.last_used = time.monotonic()
+            self._start_engine(inst)
+
+    def running(self) -> list[Instance]:
+        """Loaded or loading: what counts against ``models_max`` (llama-server's ``is_running``)."""
+        return [i for i in self.instances.values() if i.status != UNLOADED]
+
+    def load(self, name: str, reason: str) -> None:
+        """Start loading ``name`` (unloaded), first unloading the least recently used model
+        when ``models_max`` are loaded or loading, busy or not (llama-server's ``unload_lru``)."""
+        inst = self.instances[name]
+        running = self.running()
+        if self.swap.models_max and len(running) >= self.swap.models_max:
+            self.unload(min(running, key=lambda i: i.last_used).name, "lru")
+        inst.failed = False
+        inst.last_used = time.monotonic()
+        self.loads[reason] += 1
+        inst.set_status(LOADING)
+        inst.task = asyncio.create_task(self._load(inst))
+
+    async def _load(self, inst: Instance) -> None:
+        await asyncio.sleep(self.swap.load_ms / 1000)
+        self._start_engine(inst)
+
+    def _start_engine(self, inst: Instance) -> None:
+        scheduler = Scheduler(self.config)
+        inst.scheduler = scheduler
+        inst.task = asyncio.create_task(scheduler.run())
+        inst.set_status(LOADED)
+
+    def unload(self, name: str, reason: str) -> None:
+        """Unload ``name`` (loaded or loading) now: a load is killed, the requests running or
+        queued on its engine are cut off."""
+        inst = self.instances[name]
+        if inst.task is not None:
+            inst.task.cancel()  # the load's sleep or the engine's loop
+            inst.task = None
+        if inst.status == LOADING:
+            inst.failed = True
+            self.failed_loads += 1
+        s = inst.scheduler
+        if s is not None:
+            for request in [*s.running, *s.waiting]:
+                request.aborted = request.done = True
+                request.event.set()
+                self.cut_off += 1
+            self.retired = summed(self.retired, s.stats)
+            self.retired_kv_evictions += s.kv.evictions
+            inst.scheduler = None
+        self.unloads[reason] += 1
+        inst.set_status(UNLOADED)
+
+    async def ready(self, name: str) -> Scheduler:
+        """The engine of ``name`` for a request, loading it first when it is not loaded
+        (llama-server's ``ensure_model_ready``, then ``proxy_request``, which marks it used)."""
+        inst = self.instances[name]
+        if inst.status == UNLOADED:
+            self.load(name, "request")
+        while inst.status == LOADING:
+            await inst.changed()
+        if inst.status != LOADED or inst.scheduler is None:
+            raise LoadFailed(f"model name={name} failed to load")
+        inst.last_used = time.monotonic()
+        return inst.scheduler
+
+    def schedulers(self) -> list[Scheduler]:
+        return [i.scheduler for i in self.instances.values() if i.scheduler is not None]
+
+    def busy(self) -> str | None:
+        """Why the router cannot be reset now, or None."""
+        if any(i.status == LOADING for i in self.instances.values()):
+            return "a model is loading"
+        if any(s.running or s.waiting for s in self.schedulers()):
+            return "requests are running"
+        return None
+
+    def reset(self) -> None:
+        """Everything unloaded, counters zeroed, the preload loaded again (``busy()`` first)."""
+        for inst in self.instances.values():
+            if inst.task is not None:
+                inst.task.cancel()
+                inst.task = None
+            inst.scheduler = None
+            inst.failed = False
+            inst.last_used = 0.0
+            inst.set_status(UNLOADED)
+        self._zero()
+        self.preload()
+
+    def stop(self) -> list[asyncio.Task[None]]:
+        """Cancel every load and engine loop; the tasks, to be awaited."""
+        tasks = [i.task for i in self.instances.values() if i.task is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    def models_json(self) -> dict[str, Any]:
+        """``GET /models`` as llama-server's router writes it (nlohmann::json: keys sorted)."""
+        created = int(time.time())
+        data = []
+        for inst in self.instances.values():
+            status: dict[str, Any] = {"args": ["llama-server", "--alias", inst.name, "--host", "127.0.0.1"],
+                                      "value": inst.status}
+            if inst.failed and inst.status == UNLOADED:
+                status = {"args": status["args"], "exit_code": 1, "failed": True, "value": inst.status}
+            data.append({"aliases": [], "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                         "can_remove": False, "created": created, "id": inst.name, "object": "model",
+                         "owned_by": "llamacpp", "source": "models_dir", "status": status, "tags": []})
+        return {"data": data, "object": "list"}
+
+    def stats(self) -> dict[str, Any]:
+        total = self.retired
+        for s in self.schedulers():
+            total = summed(total, s.stats)
+        scheds = self.schedulers()
+        return {**asdict(total), "running": sum(len(s.running) for s in scheds),
+                "waiting": sum(len(s.waiting) for s in scheds), "kv_used": sum(s.kv.used for s in scheds),
+                "kv_cached": sum(len(s.kv.lru) + len(s.kv.refs) for s in scheds),
+                "kv_evictions": self.retired_kv_evictions + sum(s.kv.evictions for s in scheds),
+                "models": {i.name: {"status": i.status,
+                                    "running": len(i.scheduler.running) if i.scheduler else 0,
+                                    "waiting": len(i.scheduler.waiting) if i.scheduler else 0,
+                                    "requests": i.scheduler.stats.requests if i.scheduler else 0}
+                           for i in self.instances.values()},
+                "loads": dict(self.loads), "unloads": dict(self.unloads), "cut_off": self.cut_off,
+                "failed_loads": self.failed_loads, "swap": asdict(self.swap)}
+
+
 # --------------------------------------------------------------------------- HTTP
 
 
 def _error(status: int, message: str) -> web.Response:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     return web.Response(status=status, body=msgspec.json.encode(body), content_type=_JSON)
+
+
+_ROUTER_ERRORS: Final = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error"}
+
+
+def _router_error(status: int, message: str) -> web.Response:
+    """An error as llama-server writes it (``format_error_response``)."""
+    return _json({"error": {"code": status, "message": message, "type": _ROUTER_ERRORS[status]}}, status=status)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -594,8 +894,11 @@ def prometheus_text(config: SimConfig, gauges: Gauges, stats: Stats) -> str:
 
 
 class SimServer:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, swap: SwapConfig | None = None) -> None:
+        # With model swapping, this scheduler runs nothing: it holds the settings every
+        # model's engine gets (``/sim/control`` changes them, ``/sim/reset`` restores them).
         self.scheduler = Scheduler(config)
+        self.router = Router(config, swap) if swap is not None else None
         self.paths: Counter[str] = Counter()  # every path asked, to see what a router probes
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
@@ -610,15 +913,24 @@ class SimServer:
         add = app.router.add_route
         add("POST", "/v1/chat/completions", self._chat)
         add("POST", "/v1/completions", self._completions)
-        add("GET", "/v1/models", self._models)
-        for path in ("/health", "/health_generate"):
-            add("GET", path, self._health)
-        for path in ("/get_model_info", "/model_info"):
-            add("GET", path, self._model_info)
-        for path in ("/get_server_info", "/server_info"):
-            add("GET", path, self._server_info)
-        add("GET", "/get_load", self._load)
-        add("GET", "/metrics", self._metrics)
+        if self.router is not None:  # llama-server's router: its model list and management, no SGLang
+            for path in ("/models", "/v1/models"):
+                add("GET", path, self._router_models)
+            add("GET", "/props", self._router_props)
+            add("POST", "/models/load", self._router_load)
+            add("POST", "/models/unload", self._router_unload)
+            add("GET", "/health", self._health)
+            add("GET", "/metrics", self._router_metrics)
+        else:
+            add("GET", "/v1/models", self._models)
+            for path in ("/health", "/health_generate"):
+                add("GET", path, self._health)
+            for path in ("/get_model_info", "/model_info"):
+                add("GET", path, self._model_info)
+            for path in ("/get_server_info", "/server_info"):
+                add("GET", path, self._server_info)
+            add("GET", "/get_load", self._load)
+            add("GET", "/metrics", self._metrics)
         add("GET", "/sim/stats", self._stats)
         add("POST", "/sim/control", self._control)
         add("POST", "/sim/reset", self._reset)
@@ -634,12 +946,17 @@ class SimServer:
 
     async def _start_loop(self, app: web.Application) -> None:
         self._task = asyncio.create_task(self.scheduler.run())
+        if self.router is not None:
+            self.router.preload()
 
     async def _stop_loop(self, app: web.Application) -> None:
+        tasks = self.router.stop() if self.router is not None else []
         if self._task is not None:
             self._task.cancel()
+            tasks.append(self._task)
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
     # ----- generation
 
@@ -674,11 +991,22 @@ class SimServer:
 
     async def _generate(self, http: web.Request, body: dict[str, Any], tokens: list[str],
                         chat: bool) -> web.StreamResponse:
+        scheduler = self.scheduler
+        if self.router is not None:  # the router's checks and autoload, before its child sees the request
+            name = body.get("model")
+            if not isinstance(name, str) or not name:
+                return _router_error(400, "model name is missing from the request")
+            if name not in self.router.instances:
+                return _router_error(400, f"model '{name}' not found")
+            try:
+                scheduler = await self.router.ready(name)
+            except LoadFailed as exc:
+                return _router_error(500, str(exc))
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or self.config.max_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "'max_tokens' must be a positive integer")
         try:
-            request = self.scheduler.submit(tokens, max_tokens)
+            request = scheduler.submit(tokens, max_tokens)
         except TooLong as exc:
             return _error(400, str(exc))
         model = body["model"] if isinstance(body.get("model"), str) else self.config.model
@@ -691,6 +1019,8 @@ class SimServer:
             while not request.done:
                 request.event.clear()
                 await request.event.wait()
+            if request.aborted:  # its model was unloaded: the router's proxy lost its child
+                return _router_error(500, f"model {model} was unloaded")
             text = "".join(f"tok{i} " for i in range(request.generated))
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text})
@@ -699,7 +1029,7 @@ class SimServer:
                           "created": int(time.time()), "model": model, "choices": [choice],
                           "usage": _usage(request)})
         finally:
-            self.scheduler.cancel(request)  # a no-op once it is done
+            scheduler.cancel(request)  # a no-op once it is done
 
     async def _stream(self, http: web.Request, request: SimRequest, rid: str, model: str, chat: bool,
                       usage: bool) -> web.StreamResponse:
@@ -725,6 +1055,10 @@ class SimServer:
                                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": None}))
                 sent = request.generated
                 await response.write(b"".join(out))
+            if request.aborted:  # its model was unloaded: the stream breaks off, without [DONE]
+                if http.transport is not None:
+                    http.transport.close()
+                return response
             if request.done:
                 break
             request.event.clear()
@@ -789,27 +1123,116 @@ class SimServer:
             config = self.scheduler.configure(body)
         except ValueError as exc:
             return _error(400, str(exc))
+        if self.router is not None:  # every model's engine, and those loaded later
+            self.router.config = config
+            for scheduler in self.router.schedulers():
+                scheduler.configure(body)
         return _json({"config": asdict(config)})
 
     async def _stats(self, request: web.Request) -> web.Response:
+        if self.router is not None:
+            return _json({**self.router.stats(), "config": asdict(self.config), "paths": dict(self.paths)})
         s = self.scheduler
         return _json({**asdict(s.stats), "running": len(s.running), "waiting": len(s.waiting),
                       "kv_used": s.kv.used, "kv_cached": len(s.kv.lru) + len(s.kv.refs), "kv_evictions": s.kv.evictions,
                       "config": asdict(self.config), "paths": dict(self.paths)})
 
     async def _reset(self, request: web.Request) -> web.Response:
+        busy = self.router.busy() if self.router is not None else None
+        if busy is not None:
+            return _error(409, busy)
         try:
             self.scheduler.reset()
         except RuntimeError as exc:
             return _error(409, str(exc))
+        if self.router is not None:
+            self.router.config = self.scheduler.config
+            self.router.reset()
         self.paths.clear()
         return _json({"reset": True})
 
+    # ----- llama-server's router (model swapping)
 
-async def start(config: SimConfig, host: str, port: int) -> web.AppRunner:
-    """Serve ``config`` on ``host:port`` in this event loop; the caller awaits ``runner.cleanup()``."""
+    async def _model_named(self, request: web.Request) -> str | web.Response:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:  # llama-server: json::parse throws, answered as a server error
+            return _router_error(500, f"[json.exception.parse_error] {exc}")
+        name = body.get("model") if isinstance(body, dict) else None
+        return name if isinstance(name, str) else ""
+
+    async def _router_models(self, request: web.Request) -> web.Response:
+        assert self.router is not None
+        return _json(self.router.models_json())
+
+    async def _router_props(self, request: web.Request) -> web.Response:
+        # The router's own props (get_router_props; keys sorted), or with ?model= its child's.
+        assert self.router is not None
+        name = request.query.get("model", "")
+        c = self.config
+        if not name:
+            return _json({"build_info": "fleet-sim", "cors_proxy_enabled": False,
+                          "default_generation_settings": {"n_ctx": 0, "params": {}},
+                          "max_instances": self.router.swap.models_max, "model_alias": "llama-server",
+                          "model_path": "none", "models_autoload": True, "role": "router", "ui_settings": {}})
+        inst = self.router.instances.get(name)
+        if inst is None:
+            return _router_error(400, f"model '{name}' not found")
+        if inst.scheduler is None:
+            return _router_error(400, "model is not loaded")
+        return _json({"default_generation_settings": {"n_ctx": c.kv_blocks * c.block_tokens, "params": {}},
+                      "model_alias": name, "model_path": name, "total_slots": c.max_batch})
+
+    async def _router_load(self, request: web.Request) -> web.Response:
+        assert self.router is not None
+        name = await self._model_named(request)
+        if isinstance(name, web.Response):
+            return name
+        inst = self.router.instances.get(name)
+        if inst is None:
+            return _router_error(404, "model is not found")
+        if inst.status != UNLOADED:
+            return _router_error(400, "model is already running")
+        self.router.load(name, "api")
+        return _json({"success": True})
+
+    async def _router_unload(self, request: web.Request) -> web.Response:
+        assert self.router is not None
+        name = await self._model_named(request)
+        if isinstance(name, web.Response):
+            return name
+        inst = self.router.instances.get(name)
+        if inst is None:
+            return _router_error(400, "model is not found")
+        if inst.status == UNLOADED:
+            return _router_error(400, "model is not running")
+        self.router.unload(name, "api")
+        return _json({"success": True})
+
+    async def _router_metrics(self, request: web.Request) -> web.Response:
+        # The router proxies /metrics to the child of ?model= (loading it, which this does not).
+        assert self.router is not None
+        if self.config.metrics == "none":
+            return _json({"detail": "Not Found"}, status=404)
+        name = request.query.get("model", "")
+        if not name:
+            return _router_error(400, "model name is missing from the request")
+        inst = self.router.instances.get(name)
+        if inst is None:
+            return _router_error(400, f"model '{name}' not found")
+        if inst.scheduler is None:
+            return _router_error(400, "model is not loaded")
+        config = replace(self.config, model=name)
+        text = prometheus_text(config, inst.scheduler.current_gauges(), inst.scheduler.stats)
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS})
+
+
+async def start(config: SimConfig, host: str, port: int, swap: SwapConfig | None = None) -> web.AppRunner:
+    """Serve ``config`` (swapping models as ``swap`` says) on ``host:port`` in this event
+    loop; the caller awaits ``runner.cleanup()``."""
     # handler_cancellation: a client that goes away cancels its handler, which takes the request out.
-    runner = web.AppRunner(SimServer(config).app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    runner = web.AppRunner(SimServer(config, swap).app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=1.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -819,18 +1242,30 @@ async def start(config: SimConfig, host: str, port: int) -> web.AppRunner:
     return runner
 
 
-async def _serve(config: SimConfig, host: str, port: int) -> None:
-    runner = await start(config, host, port)
+async def _serve(config: SimConfig, host: str, port: int, swap: SwapConfig | None = None) -> None:
+    runner = await start(config, host, port, swap)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    print(f"fleet_sim listening on http://{host}:{port} ({config})", flush=True)
+    print(f"fleet_sim listening on http://{host}:{port} ({config}{f', {swap}' if swap else ''})", flush=True)
     await stop.wait()
     await runner.cleanup()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[SimConfig, str, int]:
+    """The server's settings, host and port (model swapping's flags are checked, not returned:
+    ``parse_command``)."""
+    config, _, host, port = parse_command(argv)
+    return config, host, port
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def parse_command(argv: Sequence[str] | None = None) -> tuple[SimConfig, SwapConfig | None, str, int]:
+    """The server's settings, its model swapping (None without ``--models``), host and port."""
     d = SimConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
@@ -848,15 +1283,29 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[SimConfig, str, int]:
     parser.add_argument("--slowdown", type=float, default=d.slowdown, help="multiplies every step's cost")
     parser.add_argument("--metrics", choices=METRICS, default=d.metrics,
                         help="the engine whose /metrics to serve (none: 404)")
+    s = SwapConfig(models=())
+    parser.add_argument("--models", type=_names, default=None,
+                        help="model swapping: the models it can serve, comma-separated (llama.cpp router mode)")
+    parser.add_argument("--models-max", type=int, default=s.models_max,
+                        help="model swapping: models loaded at once (0: no limit)")
+    parser.add_argument("--load-ms", type=float, default=s.load_ms, help="model swapping: a load's duration")
+    parser.add_argument("--preload", type=_names, default=(), help="model swapping: models loaded at start")
     a = parser.parse_args(argv)
     if a.slowdown <= 0:
         parser.error("--slowdown must be above 0")
+    swap = None
+    if a.models is not None:
+        swap = SwapConfig(models=a.models, models_max=a.models_max, load_ms=a.load_ms, preload=a.preload)
+        if swap.problems():
+            parser.error("; ".join(swap.problems()))
+    elif a.preload or a.models_max != s.models_max or a.load_ms != s.load_ms:
+        parser.error("--models-max, --load-ms and --preload need --models")
     config = SimConfig(kv_blocks=a.kv_blocks, block_tokens=a.block_tokens, max_batch=a.max_batch,
                        prefill_budget=a.prefill_budget, step_ms=a.step_ms,
                        prefill_ms_per_token=a.prefill_ms_per_token, decode_ms_per_seq=a.decode_ms_per_seq,
                        max_tokens=a.max_tokens, model=a.model, catch_up_ms=a.catch_up_ms, slowdown=a.slowdown,
                        metrics=a.metrics)
-    return config, a.host, a.port
+    return config, swap, a.host, a.port
 
 
 def command_args(config: SimConfig) -> list[str]:
@@ -865,15 +1314,21 @@ def command_args(config: SimConfig) -> list[str]:
             for arg in (f"--{name.replace('_', '-')}", str(value))]
 
 
+def swap_args(swap: SwapConfig) -> list[str]:
+    """The command-line arguments that swap models as ``swap`` says."""
+    args = ["--models", ",".join(swap.models), "--models-max", str(swap.models_max), "--load-ms", str(swap.load_ms)]
+    return args + (["--preload", ",".join(swap.preload)] if swap.preload else [])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    config, host, port = parse_args(argv)
+    config, swap, host, port = parse_command(argv)
     try:
         import uvloop
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is one of iop's dependencies (uvicorn[standard])
         loop_factory = None
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(config, host, port))
+        runner.run(_serve(config, host, port, swap))
 
 
 if __name__ == "__main__":

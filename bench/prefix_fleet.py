@@ -240,10 +240,14 @@ class Fleet:
         self.dir = directory
         self.procs: list[Child] = []
 
+    def server_args(self, i: int, sim: SimConfig) -> list[str]:
+        """Server ``i``'s command-line arguments besides its port (a fleet of another kind adds its own)."""
+        return command_args(replace(sim, model=SERVED))
+
     def __enter__(self) -> Fleet:
         try:
             for i, (sim, port) in enumerate(zip(self.sims, self.ports, strict=True)):
-                args = ["--port", str(port), *command_args(replace(sim, model=SERVED))]
+                args = ["--port", str(port), *self.server_args(i, sim)]
                 child = Child(f"sim-{i}", [sys.executable, "-m", "bench.fleet_sim", *args], dict(os.environ),
                               log_path=self.dir / f"sim-{i}.log")
                 self.procs.append(child.start())

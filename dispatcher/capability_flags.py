@@ -1,24 +1,30 @@
-"""Coarse model-lifecycle capability flags per provider type (flags only: iop reports what a
-runtime could do, it never loads or unloads models itself).
+"""Coarse model-lifecycle capability flags per provider type: what a type's runtime can do with
+its models. The catalog shows them; iop's own loads and unloads (``lifecycle: managed``) go
+through ``workers/adapters/model_runtime.py``, and pull and delete are never iop's.
 
 | type       | list | load | unload | pull | delete |
 |------------|------|------|--------|------|--------|
 | ollama     | yes  | yes  | yes    | yes  | yes    |
 | lemonade   | yes  | yes  | yes    | yes  | yes    |
-| vllm       | yes  | no   | no     | no   | no     |
+| vllm       | yes  | yes  | yes    | no   | no     |
 | sglang     | yes  | no   | no     | no   | no     |
-| llamacpp   | yes  | no   | no     | no   | no     |
+| llamacpp   | yes  | yes  | yes    | no   | no     |
 | openai_api | yes  | no   | no     | no   | no     |
 | cli        | no   | no   | no     | no   | no     |
 
 Why: Ollama (``/api/tags``, load by request, ``keep_alive: 0``, ``/api/pull``,
 ``/api/delete``) and Lemonade (``/api/v1/models``, ``/load``, ``/unload``, ``/pull``,
-``/delete``) manage models at run time. vLLM and SGLang serve the one model they were
-launched with: ``/v1/models`` lists it, while LoRA adapters, sleep mode or SGLang's
-``update_weights`` do not change which model is served; llama.cpp's ``llama-server``
-likewise serves the model file it was started with. A hosted OpenAI-style API's
-catalog is read-only to its callers. A cli provider is a command: it serves what its
-config says and reports nothing.
+``/delete``) manage models at run time. llama.cpp's ``llama-server`` in router mode
+(``--models-dir``, ``--models-max``) loads and unloads the GGUFs of its directory
+(``/models/load``, ``/models/unload``), and pulls none (its ``POST /models`` downloads
+only to the Hugging Face cache, not to the ``--models-dir`` it serves); started with one
+``--model`` it serves that file alone. vLLM in sleep mode (``--enable-sleep-mode``,
+``VLLM_SERVER_DEV_MODE=1``) unloads its one model to sleep and loads it again on
+``/wake_up``; without it, it serves the model it was launched with, as SGLang does
+(``update_weights`` swaps the weights of that model in place). Both flags are the type's,
+as the config cannot tell a router or a sleep mode: such a provider says
+``lifecycle: managed``. A hosted OpenAI-style API's catalog is read-only to its callers. A
+cli provider is a command: it serves what its config says and reports nothing.
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ class LifecycleFlags(msgspec.Struct, frozen=True):
 
 _ALL = LifecycleFlags(True, True, True, True, True)
 _LIST_ONLY = LifecycleFlags(list_models=True)
+_LOADS = LifecycleFlags(list_models=True, load_model=True, unload_model=True)
 
 FLAGS: dict[str, LifecycleFlags] = {
     "ollama": _ALL,
     "lemonade": _ALL,
-    "vllm": _LIST_ONLY,
+    "vllm": _LOADS,
     "sglang": _LIST_ONLY,
-    "llamacpp": _LIST_ONLY,
+    "llamacpp": _LOADS,
     "openai_api": _LIST_ONLY,
     "cli": LifecycleFlags(),
 }

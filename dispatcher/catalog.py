@@ -90,6 +90,14 @@ class ProviderView(msgspec.Struct):
     # every model it serves, and per model.
     live: dict[str, LiveView] = {}
     live_by_model: dict[str, dict[str, LiveView]] = {}
+    # Models that load and unload (``lifecycle``: "managed" or "static"): for a managed
+    # provider, what its runtime holds of each served name (as its worker last read it, or
+    # as a load iop ordered there made it: lua/models.lua, lua/lib/place.lua), how many it
+    # holds at once, and the load under way.
+    lifecycle: str = "static"
+    models_state: dict[str, wire.ModelState] = {}
+    max_loaded: int | None = None
+    loading: str | None = None
 
 
 class EjectionView(msgspec.Struct):
@@ -566,4 +574,17 @@ def _provider_view(
         external_load=external,
         rate_limited=RateLimitView(hold_until, load.hold_reason) if hold_until > now else None,
         service_ms=load.service_ms or None,
+        **_lifecycle_view(prov, fields),
     )
+
+
+def _lifecycle_view(prov: ProviderConfig, fields: dict[str, str]) -> dict[str, Any]:
+    if not prov.manages_models:
+        return {}
+    models = wire.models_state(fields)
+    for served in prov.models:
+        models.setdefault(served, wire.ModelState(state="unknown", since=None, last_used=None, load_s=None))
+    raw_max = fields.get("max_loaded")
+    return {"lifecycle": "managed", "models_state": dict(sorted(models.items())),
+            "max_loaded": int(raw_max) if raw_max and raw_max.isdigit() else prov.max_loaded,
+            "loading": fields.get("load") or None}

@@ -218,6 +218,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     # model's refuse_predicted_over_ms): a home's queue takes it only if it starts there
     # within it (lua/lib/home_room.lua).
     predict_ms: int | None = None
+    # 1: dispatched to a provider whose models iop manages, where it counts in its model's
+    # running jobs until released (lua/lib/assign.lua, lua/lib/jobs.lua release_slot).
+    managed: int | None = None
     # A limited tenant's token reservation, settled by finish (lua/lib/limits.lua).
     limits: RecordLimits | None = None
 

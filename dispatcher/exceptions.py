@@ -34,6 +34,8 @@ Hierarchy::
             ├── ProviderTimeout     504 provider_timeout
             ├── ProviderRejected    the provider's own error status, passed through with its body
             │                       in the endpoint's error shape (``api/errors.py``)
+            ├── ModelLifecycleFailed 502 model_lifecycle_failed (a runtime would not load or unload a
+            │                       model, in its own words: out of memory, a file it cannot read…)
             ├── WorkerLost          502 worker_lost (the worker died after output started)
             └── JobCancelled        499 cancelled (only ever seen in logs: the client left)
 
@@ -265,6 +267,15 @@ class ProviderUnreachable(ProviderError):
 class ProviderTimeout(ProviderError):
     status = 504
     code = "provider_timeout"
+
+
+class ModelLifecycleFailed(ProviderError):
+    """A runtime would not load or unload one of its models (``workers/adapters/model_runtime.py``),
+    or answered its model list in a shape iop cannot read: the message quotes the runtime's
+    own words. Another provider may hold the model, or have room for it."""
+
+    code = "model_lifecycle_failed"
+    retry_elsewhere = True
 
 
 class WorkerLost(ProviderError):

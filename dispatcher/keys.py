@@ -52,6 +52,9 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:afft:<model>``   | zset   | block hash -> last use ms (bounds the index: oldest go first)  |
 | ``{iop}:affn:<model>``   | hash   | provider -> blocks the index lists it as holding               |
 | ``{iop}:aff:stats``      | hash   | ``<model>\t<hit|miss|spill>`` -> affinity decisions           |
+| ``{iop}:copies``         | hash   | models that load and unload: model id -> ``,<provider>,...,``  |
+|                          |        | the managed providers whose runtime holds it loaded            |
+|                          |        | (lua/lib/copies.lua; what may give up a spare copy)            |
 | ``{iop}:limits``         | hash   | tenants' rate limits and budgets (lua/lib/limits.lua):         |
 |                          |        | ``r:``/``t:<tenant>`` GCRA arrival ms ``|`` limit, ``d:<tenant>`` |
 |                          |        | ``<day>:<tokens used>``, ``x:<tenant>:<limit>`` refusals        |
@@ -104,6 +107,7 @@ FINISH_TAGS = f"{PREFIX}:ft"
 RESPONSES = f"{PREFIX}:responses"
 WAITING_LANES = f"{PREFIX}:lanes:waiting"
 AFFINITY_STATS = f"{PREFIX}:aff:stats"
+MODEL_COPIES = f"{PREFIX}:copies"
 # Each lane's drain rate while it has a backlog (lua/lib/drain_rate.lua note_drain), and, under
 # shed_field(queue), how many submits the queue refused for want of room or time.
 QUEUE_RATES = f"{PREFIX}:qrate"

@@ -78,6 +78,7 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     node_of = {prov.id: node.id for node, prov in config.providers()}
     # ',a,b,': what lib/pump.lua's serves() looks a job's endpoint up in.
     endpoints_of = {prov.id: "," + ",".join(sorted(prov.served_endpoints)) + "," for _, prov in config.providers()}
+    managed = {prov.id for _, prov in config.providers() if prov.manages_models}
     # The plan hash, its lane set and the index take the first three places; their names
     # depend on the digest, which depends on the rest: placeholders until then.
     index: dict[str, int] = {"": 1, " ": 2, keys.WAITING_LANES: 3}
@@ -93,13 +94,15 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         assert model is not None
         cands = [
             wire.Candidate(provider=pid, served=model.providers[pid], provider_key=pos(keys.provider(pid)),
-                           node_key=pos(keys.node(node_of[pid])), node=node_of[pid], endpoints=endpoints_of[pid])
+                           node_key=pos(keys.node(node_of[pid])), node=node_of[pid], endpoints=endpoints_of[pid],
+                           managed=pid in managed)
             for pid in lane.providers
             if pid in node_of
         ]
         spec = wire.LaneSpec(
             model=lane.model, name=lane.name, queue=pos(lane.queue), band=lane.band if fair else 0,
-            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands)
+            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands,
+            managed=any(c.managed for c in cands))
         aff = model.affinity
         if aff.mode != "off":
             spec = msgspec.structs.replace(
@@ -114,6 +117,7 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
     stats = pos(keys.AFFINITY_STATS) if any(spec.load_bound for _, spec in specs) else 0
+    copies = pos(keys.MODEL_COPIES) if any(spec.managed for _, spec in specs) else 0
     ej = config.ejection
     ejection = wire.Ejection(consecutive=ej.consecutive_5xx, rate=ej.failure_rate, window_ms=ej.window_s * 1000,
                              min_requests=ej.min_requests, base_ms=round(ej.base_s * 1000),
@@ -123,9 +127,10 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
             fair=True, capped=any(k.max_in_flight for k in config.api.keys), tenants=pos(keys.TENANTS),
             limits=pos(keys.TENANT_LIMITS), vtime=pos(keys.VIRTUAL_TIME), ftags=pos(keys.FINISH_TAGS),
             park=keys.parked(""), affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only,
-            ejection=ejection)
+            ejection=ejection, copies=copies)
     else:
-        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only, ejection=ejection)
+        head = wire.PlanHeader(affinity_stats=stats, rates=pos(keys.QUEUE_RATES), only=only, ejection=ejection,
+                               copies=copies)
     header = wire.encode(head)
     lane_specs = () if only else tuple((queue, wire.encode(spec)) for queue, spec in specs)
     key_list = list(index)

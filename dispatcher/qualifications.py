@@ -46,8 +46,14 @@ class ProviderReport(msgspec.Struct, frozen=True):
     served_name: str = ""
     type: str = ""
     node: str = ""
-    # The knee of throughput against concurrency: the concurrency past which it stopped growing.
+    # The knee of throughput against concurrency: the concurrency past which it stopped growing
+    # (None: not found -- throughput grew up to the sweep's last step, see sweep_cut_by).
     suggested_capacity: int | None = None
+    # What ended the sweep while throughput still grew, so that no knee was found: ``share``
+    # (the run's share of the model's slots), ``capacity`` (the provider's capacity in iop) and/or
+    # ``max_concurrency`` (the caller's limit); the report's notes say how to measure further.
+    # Empty: the sweep found its knee (or the run stopped before it ended).
+    sweep_cut_by: list[str] = []
     # Concurrency (as a string: a JSON object's key) -> percentiles, ms.
     ttft_ms: dict[str, Latency] = {}
     itl_ms: dict[str, Latency] = {}

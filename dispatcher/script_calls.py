@@ -322,6 +322,20 @@ class ScriptCalls:
                              self._lease_ms)
         return int(await self._pump(self.scripts.capacity, plan, ks, [*head, wire.encode(report)]))
 
+    async def models(self, provider: str, report: wire.ModelsReport) -> int:
+        """Publish which models a provider's runtime holds (lua/models.lua), then pump its lanes
+        (a model that became loaded takes its waiting jobs); how many it dispatched."""
+        plan = self.plans.by_provider[provider]
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        return int(await self._pump(self.scripts.models, plan, ks, [*head, wire.encode(report)]))
+
+    async def load_done(self, provider: str, outcome: wire.LoadOutcome) -> int:
+        """Report the end of a load iop ordered there (lua/load_done.lua), then pump its lanes;
+        how many jobs it dispatched."""
+        plan = self.plans.by_provider[provider]
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
+        return int(await self._pump(self.scripts.load_done, plan, ks, [*head, wire.encode(outcome)]))
+
     async def remember_response(self, response_id: str, provider: str, model: str) -> None:
         r = self.config.responses
         await self.scripts.remember_response(

@@ -28,7 +28,7 @@ from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
          "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon", "capacity",
-         "live")
+         "live", "models", "load_done")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -127,6 +127,8 @@ class Scripts:
         self.abandon = Script(redis, fast, "abandon")
         self.capacity = Script(redis, fast, "capacity")
         self.live = Script(redis, fast, "live")
+        self.models = Script(redis, fast, "models")
+        self.load_done = Script(redis, fast, "load_done")
 
     @property
     def redis(self) -> Redis:

@@ -86,7 +86,9 @@ def setup(config: Config, role: str, node: str | None = None) -> bool:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     except ImportError as exc:
         log.error("tracing is configured (spans to %s) but OpenTelemetry is not installed (%s): "
-                  "pip install 'iop[otel]'. Running without tracing.", url, exc)
+                  # Not `pip install 'iop[otel]'`: on PyPI `iop` is another project.
+                  "install the otel extra (from a clone: .venv/bin/pip install -e '.[otel]'). "
+                  "Running without tracing.", url, exc)
         return False
     attributes: dict[str, str | int] = {
         # OTEL_SERVICE_NAME is the operator's usual way to name a service: it wins.

@@ -67,8 +67,8 @@ encode = msgspec.json.Encoder().encode
 # plan's key list: the script finds the key at ``KEYS[offset + position]``.
 
 
-class Candidate(msgspec.Struct, frozen=True):
-    """A provider of a lane."""
+class Candidate(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A provider of a lane (``managed`` is left out when false: most plans have none)."""
 
     provider: str
     served: str  # the model's name on that provider (the dispatch rewrites the body to it)
@@ -76,6 +76,9 @@ class Candidate(msgspec.Struct, frozen=True):
     node_key: int  # the node stream its worker reads
     node: str
     endpoints: str  # ',chat/completions,rerank,': the endpoints it serves, for a job's check
+    # iop manages which models its runtime holds (lifecycle: managed): a job goes there only
+    # while the model is loaded (lua/lib/warm.lua).
+    managed: bool = False
 
 
 class LaneSpec(msgspec.Struct, frozen=True):
@@ -101,6 +104,8 @@ class LaneSpec(msgspec.Struct, frozen=True):
     look_ahead: int = 0
     max_wait_ms: int = 0
     home_queue: float = 0.0  # a home takes its prompts up to capacity x (1 + this)
+    # One of its candidates is managed: a head none can take may place a load (lua/lib/place.lua).
+    managed: bool = False
 
 
 class Ejection(msgspec.Struct, frozen=True):
@@ -139,6 +144,9 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     only: LaneSpec | None = None
     # What a finish's evidence of a 5xx may do to a provider (lua/lib/blame.lua).
     ejection: Ejection | None = None
+    # Models that load and unload (a lane with a managed candidate): model id -> the providers
+    # whose runtime holds it loaded, ',a,b,' (lua/lib/copies.lua).
+    copies: int = 0
 
 
 class Refusal(msgspec.Struct, frozen=True):
@@ -170,6 +178,80 @@ class CapacityReport(msgspec.Struct, frozen=True, omit_defaults=True):
     engine: str = ""  # its engine's last reading, JSON (EngineReading); '' when it has none
     service_ms: float = 0.0  # the median time of its recent calls (deadline predictions)
     moved: bool = False  # the limit moved since the last report: added to its history
+
+
+class ModelsReport(msgspec.Struct, frozen=True):
+    """What a worker publishes of the models one provider's runtime holds (``lua/models.lua``'s
+    options; workers/model_lifecycle.py), with the provider's lifecycle settings."""
+
+    provider: str
+    states: dict[str, str]  # every model the runtime reports -> 'loaded' | 'loading' | 'unloaded'
+    # Each served name of the config -> the queue keys of the model ids served as it, one a
+    # line (dispatcher/keys.py queue): a model with jobs waiting in one is never unloaded.
+    queues: dict[str, str]
+    # ... and those model ids, comma-separated: whose copies it holds (lua/lib/copies.lua).
+    models: dict[str, str]
+    max_loaded: int  # models it holds at once (the runtime's word, else the config's, else 1)
+    load_ms: int  # the config's load_s: the expected load of a model never timed there
+    idle_ms: int  # unload_idle_s
+    timeout_ms: int  # load_timeout_s: an order no worker finished by then lapses
+
+
+class LoadOutcome(msgspec.Struct, frozen=True):
+    """The end of a load iop ordered (``lua/load_done.lua``'s options)."""
+
+    provider: str
+    served: str
+    ok: bool
+    load_ms: int = 0  # how long the load took (ok)
+    reason: str = ""  # the runtime's words (failed)
+    evict: str = ""  # the model unloaded first ('' none)
+    evicted: bool = False  # ... and its unload was done
+
+
+class ModelState(msgspec.Struct, frozen=True):
+    """One served model on a provider whose models iop manages, as ``lua/lib/model_state.lua``
+    reads the provider hash (the catalog's ``providers[].models_state``)."""
+
+    state: str  # 'loaded' | 'loading' | 'unloading' | 'unloaded' | 'unknown'
+    since: int | None  # ms it entered that state
+    last_used: int | None  # ms of its last dispatch
+    load_s: float | None  # what its loads there took (None: none timed yet)
+    running: int = 0
+    # Its last load failed: no load of it ordered there before this ms, and why.
+    failed_until: int | None = None
+    failure: str = ""
+    loads: dict[str, int] = {}  # reason ('demand', 'runtime') -> loads counted
+    unloads: dict[str, int] = {}  # reason ('evict', 'runtime') -> unloads counted
+    load_failures: int = 0
+
+
+def models_state(fields: dict[str, str]) -> dict[str, ModelState]:
+    """The models of a provider hash (decoded fields) by served name, as the scripts keep
+    them (lua/lib/model_state.lua, lua/models.lua, lua/load_done.lua); {} for a provider whose
+    models iop does not manage."""
+    names = sorted(f[3:] for f in fields if f.startswith("ms:"))
+    out: dict[str, ModelState] = {}
+    for name in names:
+        def num(prefix: str, name: str = name) -> int | None:
+            raw = fields.get(prefix + name)
+            try:
+                return int(float(raw)) if raw not in (None, "") else None
+            except ValueError:
+                return None
+
+        def counted(prefix: str, name: str = name) -> dict[str, int]:
+            head = f"{prefix}{name}\t"
+            return {f[len(head):]: int(v) for f, v in fields.items() if f.startswith(head) and v.lstrip("-").isdigit()}
+
+        load_ms = num("ml:")
+        fail_until = num("mf:")
+        out[name] = ModelState(
+            state=fields["ms:" + name], since=num("mt:"), last_used=num("mu:"),
+            load_s=None if load_ms is None else load_ms / 1000, running=max(num("mr:") or 0, 0),
+            failed_until=fail_until or None, failure=fields.get("mfr:" + name, ""),
+            loads=counted("mn:"), unloads=counted("mx:"), load_failures=num("mfc:") or 0)
+    return out
 
 
 def capacity_history(raw: list[bytes]) -> list[list[int]]:

@@ -84,6 +84,31 @@ def load_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def lifecycle_lines(p: dict[str, Any]) -> list[str]:
+    """A managed provider's models (docs/PROVIDERS.md "Models that load and unload"): how many
+    it holds of how many it may, the load under way, each model's loads and failed loads."""
+    if p.get("lifecycle") != "managed":
+        return []
+    states = p.get("models_state") or {}
+    held = [m for m, s in states.items() if s["state"] in ("loaded", "loading")]
+    head = f"models held: {len(held)} of {p.get('max_loaded') or '?'}"
+    if p.get("loading"):
+        head += f"; loading {p['loading']}"
+    lines = [head]
+    for m, s in states.items():
+        parts = []
+        if s.get("load_s") is not None:
+            parts.append(f"loads take {s['load_s']:.1f} s")
+        loads = s.get("loads") or {}
+        if loads:
+            parts.append("loaded " + ", ".join(f"{n}x by {why}" for why, n in sorted(loads.items())))
+        if s.get("failure"):
+            parts.append(f"last load failed: {s['failure']}")
+        if parts:
+            lines.append(f"{m}: " + "; ".join(parts))
+    return lines
+
+
 def ms_text(ms: float) -> str:
     return f"{ms / 1000:.2f}s" if ms >= 1000 else f"{ms:.0f}ms"
 
@@ -160,6 +185,8 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             p = providers[pid]
             ratio = "-" if p["load_ratio"] is None else f"{p['load_ratio']:.2f}"
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
+            if p.get("lifecycle") == "managed":  # what its runtime holds, each model's state
+                models = ", ".join(f"{m} [{s['state']}]" for m, s in p["models_state"].items())
             # An operator's drain shows beside the probe's health: ``available (draining)``.
             health = p["health"] + (f" ({p['drain']})" if p.get("drain") else "")
             # The share of its prompt tokens it served from its prefix cache, where it says.
@@ -191,6 +218,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         if p.get("evidence"):  # absent from an older iop's catalog, None with nothing held against it
             lines.append("    " + paint(evidence_text(p["evidence"]), DIM))
         lines.extend("    " + paint(line, DIM) for line in load_lines(p))
+        lines.extend("    " + paint(line, DIM) for line in lifecycle_lines(p))
         lines.extend("    " + paint(line, DIM) for line in live_lines(p))
         if "endpoints" in p:  # an older iop's catalog has none
             lines.extend("    " + paint(line[4:], DIM) for line in endpoints_lines(p["endpoints"], "    "))

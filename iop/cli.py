@@ -5,11 +5,12 @@
     iop worker --config FILE --node NODE_ID
     iop config check FILE
     iop config migrate FILE                print the pool-shape equivalent of a legacy-shape config
-    iop catalog [--url URL] [--json]
+    iop catalog [--url URL] [--json]       --url: the API's base URL ($IOP_URL, else http://127.0.0.1:8080)
     iop reload [--port P | --pid PID]      make a running iop read its config file again (SIGHUP)
     iop provider drain ID [--wait]         stop new dispatch to a provider; --wait: until its jobs are done
     iop provider resume ID                 let it take jobs again
     iop fake-provider --port P [--delay-ms D] [--tokens N] [--token-interval-ms T]
+                      [--models a,b] [--max-loaded K] [--load-ms L] [--keep-alive-s S]
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ from dispatcher.exceptions import ConfigError
 from iop.logs import FORMATS
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
+# Where the client commands (catalog, qualify, provider) find a running iop without --url:
+# an `iop up --port 9090` is then one `export IOP_URL=http://127.0.0.1:9090` away.
+URL_ENV = "IOP_URL"
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def _add_url(parser: argparse.ArgumentParser) -> None:
+    # Read when the parser is built, which is when the command runs.
+    parser.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL,
+                        help=f"the API's base URL (default: ${URL_ENV}, else {DEFAULT_URL})")
 
 
 def _load(path: str) -> cfg.Config:
@@ -42,6 +53,15 @@ def _exit_with_problems(path: str, exc: ConfigError) -> NoReturn:
     for problem in exc.problems:
         print(f"  {problem}", file=sys.stderr)
     raise SystemExit(2) from None
+
+
+def _exit_unless_redis_answers(config: cfg.Config) -> None:
+    from iop.redis_reach import unreachable
+
+    problem = unreachable(config.redis)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        raise SystemExit(1)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
@@ -81,6 +101,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from iop.serve import serve_api
 
     config = _load(args.config)  # report config problems here, not in every server process
+    _exit_unless_redis_answers(config)
     serve_api(config, args.config, host=args.host, port=args.port, workers=args.workers, log_level=args.log_level,
               log_format=args.log_format)
     return 0
@@ -94,6 +115,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         known = ", ".join(n.id for n in config.nodes) or "none"
         print(f"{args.config}: no node {args.node!r} (nodes: {known})", file=sys.stderr)
         return 2
+    _exit_unless_redis_answers(config)
     serve_worker(config, args.node, log_level=args.log_level, log_format=args.log_format,
                  config_path=os.path.abspath(args.config))
     return 0
@@ -120,9 +142,33 @@ def cmd_fake_provider(args: argparse.Namespace) -> int:
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
         parallel=args.parallel,
         word=args.word,
+        max_loaded=args.max_loaded,
+        load_ms=args.load_ms,
+        keep_alive_s=args.keep_alive_s,
     )
     run(args.host, args.port, options)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: must not be negative")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text}: must be a non-negative number")
+    return value
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
@@ -146,7 +192,7 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from iop.reload_target import process_at
+    from iop.reload_target import config_file, process_at
     from iop.up import pid_file
 
     stale = ""
@@ -174,13 +220,34 @@ def cmd_reload(args: argparse.Namespace) -> int:
         print(f"process {pid} is not an `iop up`, `iop api` or `iop worker`{stale}: {found}; nothing sent",
               file=sys.stderr)
         return 2
+    # The file is checked here, where the operator sees the answer: a process sent SIGHUP
+    # over a broken file keeps its config and says why only in its own log.
+    try:
+        config_path = config_file(pid, found, DEMO_CONFIG)
+    except OSError as exc:
+        print(f"cannot tell which config file process {pid} reads ({exc.strerror}); nothing sent", file=sys.stderr)
+        return 2
+    if config_path is None:
+        print(f"cannot tell which config file process {pid} reads: its command line has no --config; "
+              "nothing sent", file=sys.stderr)
+        return 2
+    try:
+        _, warnings = cfg.load(config_path)
+    except ConfigError as exc:
+        print(f"{config_path}: {len(exc.problems)} problem(s); nothing sent (process {pid} keeps its config)",
+              file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"{config_path}: warning: {warning}", file=sys.stderr)
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
         print(f"could not signal process {pid}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(f"sent SIGHUP to {pid} (iop {found.command}): it reads its config file again "
-          "(its log says what changed, or every problem)")
+    print(f"sent SIGHUP to {pid} (iop {found.command}): it reads {config_path} again, which has no problems "
+          "(its log says what changed)")
     return 0
 
 
@@ -224,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.set_defaults(func=cmd_config_migrate)
 
     catalog = sub.add_parser("catalog", help="show the provider catalog of a running iop")
-    catalog.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+    _add_url(catalog)
     catalog.add_argument("--json", action="store_true", help="print the raw JSON")
     catalog.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
     catalog.add_argument("--colour", "--color", dest="colour", action=argparse.BooleanOptionalAction, default=None,
@@ -233,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qualify = sub.add_parser("qualify", help="benchmark, lifecycle-check and compare a model's providers "
                              "through a running iop (docs/QUALIFY.md)")
-    qualify.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+    _add_url(qualify)
     qualify.add_argument("--model", required=True, help="the model id (models[].id)")
     qualify.add_argument("--provider", action="append", help="only this provider (repeatable; default: all)")
     qualify.add_argument("--json", action="store_true", help="print the report as stored (GET /qualifications/M)")
@@ -254,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                          ("resume", "let a drained provider take jobs again")):
         one = provider_sub.add_parser(action, help=text)
         one.add_argument("provider_id", metavar="ID", help="the provider id (nodes[].providers[].id)")
-        one.add_argument("--url", default="http://127.0.0.1:8080", help="the API's base URL")
+        _add_url(one)
         one.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
         one.add_argument("--json", action="store_true", help="print the raw JSON")
         if action == "drain":
@@ -279,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--api-key-env", help="env var holding the key it requires")
     fake.add_argument("--parallel", type=int, default=0, help="answers generated at once, the rest wait (0: no limit)")
     fake.add_argument("--word", default="tok", help="the stem of its words (another stem: another model's answers)")
+    # Ollama's model lifecycle: on when any of the three is given, off (every model always loaded) otherwise.
+    fake.add_argument("--max-loaded", type=_positive_int, default=None,
+                      help="Ollama lifecycle: models loaded at once, LRU idle one evicted (default: no limit)")
+    fake.add_argument("--load-ms", type=_non_negative_int, default=None,
+                      help="Ollama lifecycle: how long loading a model takes")
+    fake.add_argument("--keep-alive-s", type=_non_negative_float, default=None,
+                      help="Ollama lifecycle: an idle model is unloaded after this (Ollama: 300; default: never)")
     fake.set_defaults(func=cmd_fake_provider)
     return parser
 

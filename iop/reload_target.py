@@ -78,6 +78,25 @@ def parent_of(pid: int) -> int:
     return int(stat.rpartition(")")[2].split()[1])
 
 
+def config_file(pid: int, target: Target, default: Path) -> Path | None:
+    """The config file the process ``pid`` (``target``) reads again on SIGHUP: its ``--config``,
+    relative to its own working directory, ``default`` for an ``iop up`` without one (the demo).
+    None: its command line does not say (OSError when ``/proc`` cannot)."""
+    argv = target.argv
+    if _spawned_server(argv):  # a server process of `iop api --workers N`: its parent's command line
+        pid = parent_of(pid)
+        argv = argv_of(pid)
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--config="):
+            value = arg.partition("=")[2]
+    if value is None:
+        return default if target.command == "up" else None
+    return Path(os.readlink(f"/proc/{pid}/cwd")) / value
+
+
 def process_at(pid: int) -> Target:
     """What ``pid`` is; OSError when ``/proc`` cannot say."""
     argv = argv_of(pid)

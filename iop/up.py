@@ -27,6 +27,7 @@ from dispatcher.config import Config, NodeConfig, load
 from dispatcher.exceptions import ConfigError
 from dispatcher.redis_topology import described
 from iop.processes import Child, stop_all, wait_http, wait_port
+from iop.redis_reach import unreachable
 from iop.redis_server import RedisServer, free_port
 
 # A draining worker may finish its running jobs first.
@@ -152,6 +153,8 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
             redis_line = f"{redis_url} (embedded {sup.redis.binary}, v{sup.redis.version()})"
         print(f"redis: {redis_line}", flush=True)  # now: before anything that uses it can fail
         lines.append(f"  redis    {redis_line}")
+        if sup.redis is None and (problem := unreachable(config.redis)) is not None:
+            raise RuntimeError(problem)  # one line now, not every child retrying it
         if redis_url:
             env["IOP_REDIS_URL"] = redis_url
 
@@ -162,6 +165,10 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
             argv = [py, "-m", "iop", "fake-provider", "--host", fake.host, "--port", str(fake.port),
                     "--delay-ms", str(fake.delay_ms), "--tokens", str(fake.tokens),
                     "--token-interval-ms", str(fake.token_interval_ms), "--models", ",".join(models)]
+            for flag, value in (("--max-loaded", fake.max_loaded), ("--load-ms", fake.load_ms),
+                                ("--keep-alive-s", fake.keep_alive_s)):
+                if value is not None:  # absent: the fake's own default, no lifecycle
+                    argv += [flag, str(value)]
             child = sup.spawn("fake", f"http://{fake.host}:{fake.port}", argv, env)
             wait_port(child, fake.host, fake.port, checkpoint=sup.checkpoint)
             lines.append(f"  fake     http://{fake.host}:{fake.port} serving {', '.join(models) or '-'}")
@@ -186,6 +193,10 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         print(f"try:    curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'")
         print(f"`iop reload --port {port}` applies a changed config file.")
+        # The client commands find this iop through IOP_URL (their --url): said here, since
+        # with another port they would otherwise ask :8080.
+        print(f"`export IOP_URL=http://{host}:{port}` points `iop catalog`, `iop provider` and `iop qualify` "
+              "at it (else give them --url).")
         print("Ctrl-C stops everything.", flush=True)
 
         while not sup.stopping:

@@ -1,4 +1,5 @@
--- reconcile: make each provider's in_flight equal the number of live leases it holds, drop
+-- reconcile: make each provider's in_flight equal the number of live leases it holds (and,
+-- where iop manages its models, each model's running count `mr:<served>`), drop
 -- leases that no job record backs, and rebuild flow control's tenant counters from the job
 -- records. A safety net run at worker start-up and now and then by the reaper: every script
 -- keeps them in step, but an operator's manual edit, a restore from an old snapshot, or a
@@ -24,13 +25,17 @@ local function expect(kind, rec)
   end
 end
 
-local held = {}
+local held, running = {}, {}
 for _, job in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
   local rec = get_record(job)
   if rec == nil or rec.provider == nil then
     redis.call('ZREM', LEASES, job)
   else
     held[rec.provider] = (held[rec.provider] or 0) + 1
+    if rec.managed and rec.target then
+      local field = rec.provider .. '\tmr:' .. rec.target
+      running[field] = (running[field] or 0) + 1
+    end
     if rec.tenant ~= nil then expect('r', rec) end
   end
 end
@@ -56,6 +61,20 @@ for i, provider in ipairs(ARGV) do
       fixed[#fixed + 1] = provider
       fixed[#fixed + 1] = old
       fixed[#fixed + 1] = new
+    end
+    -- Models' running counts: every one the hash has, and every one a lease says.
+    local flat = redis.call('HGETALL', key)
+    local want_mr = {}
+    for field, n in pairs(running) do
+      if string.sub(field, 1, #provider + 1) == provider .. '\t' then want_mr[string.sub(field, #provider + 2)] = n end
+    end
+    for j = 1, #flat, 2 do
+      if string.sub(flat[j], 1, 3) == 'mr:' and want_mr[flat[j]] == nil then want_mr[flat[j]] = 0 end
+    end
+    local have_mr = {}
+    for j = 1, #flat, 2 do have_mr[flat[j]] = flat[j + 1] end
+    for field, n in pairs(want_mr) do
+      if tonumber(have_mr[field] or '0') ~= n then redis.call('HSET', key, field, n) end
     end
   end
 end

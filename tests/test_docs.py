@@ -36,8 +36,9 @@ TEST_COMMAND = "./dev test"
 SCRIPTS_HEADING = "### The scripts"
 # Error codes no caller reads in an iop error body: the base class's, a request whose caller
 # left (nobody gets an answer), and a provider's own error, relayed with the provider's body
-# (the table's "(the provider's)" row).
-UNANSWERED_CODES = {"internal_error", "cancelled", "provider_rejected"}
+# (the table's "(the provider's)" row); a failed model load, which its worker reports to Redis
+# (lua/load_done.lua) while the requests that wait for the model go on waiting.
+UNANSWERED_CODES = {"internal_error", "cancelled", "provider_rejected", "model_lifecycle_failed"}
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

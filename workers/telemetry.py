@@ -73,7 +73,7 @@ def load_nvml(dev: str = "/dev") -> tuple[Nvml | None, str]:
     except ImportError:
         if not any(Path(dev).glob("nvidia[0-9]*")):
             return NO_GPU, ""
-        return None, "NVML not installed (pip install 'iop[gpu]' for nvidia-ml-py)"
+        return None, "NVML not installed (.venv/bin/pip install -e '.[gpu]' for nvidia-ml-py)"
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded ...: no NVIDIA GPU here

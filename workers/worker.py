@@ -7,6 +7,8 @@ to the node, report every answer back, and give every slot back.
 * ``CapacityControl.run`` read each provider's load (its engine's metrics, its calls' latency
                           and rate limits) and publish the limit in force, learned for
                           ``capacity: auto`` (``workers/capacity_control.py``)
+* ``ModelLifecycle.run``  read which models each managed provider's runtime holds, and
+                          carry out the loads iop places there (``workers/model_lifecycle.py``)
 * ``NodeStream.consume``  read the node stream through the consumer group and start jobs
                           (``workers/node_stream.py``); each runs in ``JobRunner.run``
                           (``workers/job_run.py``)
@@ -57,6 +59,7 @@ from workers.cancels import CancelListener
 from workers.capacity_control import CapacityControl
 from workers.job_run import JobRunner
 from workers.leases import SHUTDOWN, Leases, Runs
+from workers.model_lifecycle import ModelLifecycle
 from workers.node_stream import READ_BATCH, NodeStream, wait_for_redis
 from workers.provider_state import ProviderState
 from workers.runtime import NodeRuntime, ProviderAdapters
@@ -102,6 +105,7 @@ class Worker:
                                  self.runs, run=self.jobs.run, hand_back=self.jobs.hand_back)
         self.leases = Leases(self.runs, self.side, dispatch.lease_ms, after_renewal=self.stream.settle_ghosts)
         self.cancels = CancelListener(self.redis, node_id, self.runs, renew_now=self.leases.renew_now)
+        self.models = ModelLifecycle(self.current, self.adapters, self.redis, self.worker_id, dispatch)
         self.telemetry = TelemetryLoop(self.redis, lambda: self.current().node, self.worker_id,
                                        dispatch.heartbeat_interval_ms / 1000)
 
@@ -129,6 +133,7 @@ class Worker:
                     tg.start_soon(self._watch_hangups)
                 tg.start_soon(self.providers.run)
                 tg.start_soon(self.capacity.run)
+                tg.start_soon(self.models.run)
                 tg.start_soon(self.cancels.run)
                 tg.start_soon(self.leases.run)
                 tg.start_soon(self.reaper.run_forever)
@@ -152,6 +157,7 @@ class Worker:
         self.stream.stop()
         self.providers.stop()
         self.capacity.stop()
+        self.models.stop()
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -226,6 +232,7 @@ class Worker:
         for pid in removed:
             self.providers.forget(pid)
             self.capacity.forget(pid)
+            self.models.forget(pid)
             self.adapters.retire(pid)
         with anyio.CancelScope(shield=True):
             for pid in removed:
@@ -245,9 +252,11 @@ class Worker:
                 self.adapters.add(provider, runtime.node)
                 self.providers.start(pid)
                 self.capacity.start(pid)
+                self.models.start(pid)
             elif provider != before[pid]:
                 self.adapters.replace(provider, runtime.node)
                 self.capacity.start(pid)  # afresh: its capacity, bounds or server may have changed
+                self.models.start(pid)
                 self.providers.probe_now(pid)
             else:
                 self.providers.heartbeat_now(pid)  # its groups may have changed: pump them with the new plans

@@ -313,6 +313,14 @@ class ModelConfig(_Base, frozen=True):
     affinity: AffinityConfig = AffinityConfig()
 
 
+# The provider types whose runtimes load and unload models at run time, and so whose models
+# iop manages unless the config says ``lifecycle: static`` (docs/PROVIDERS.md "Models that
+# load and unload"). llama.cpp's llama-server does only in router mode (``--models-dir``),
+# which its config cannot show: a ``llamacpp`` provider in router mode says
+# ``lifecycle: managed``. vLLM's sleep mode likewise (``/sleep``, ``/wake_up``).
+MANAGED_TYPES = frozenset({"ollama", "lemonade"})
+LIFECYCLE_TYPES = frozenset({"ollama", "lemonade", "llamacpp", "vllm"})
+
 # The bounds of ``capacity: auto`` when the config names none.
 AUTO_MIN_CAPACITY = 1
 AUTO_MAX_CAPACITY = 64
@@ -339,6 +347,34 @@ class ProviderConfig(_Base, frozen=True):
     # caller did not, to count their tokens; the caller still gets what it asked for.
     # Unset = on for the local runtimes (STREAM_USAGE_TYPES).
     stream_usage: bool | None = None
+    # Models that load and unload (docs/PROVIDERS.md): ``managed``, iop reads which of its
+    # models the runtime holds, sends a request only where its model is loaded (warm first)
+    # and loads and unloads models through the runtime's API as demand moves (lua/lib/place.lua);
+    # ``static``, every model of ``models`` is always ready. Unset: managed for the types of
+    # MANAGED_TYPES.
+    lifecycle: Literal["managed", "static"] | None = None
+    # Models it holds at once; unset: what its runtime says (llama.cpp's --models-max), else 1.
+    max_loaded: Annotated[int, POSITIVE] | None = None
+    # The expected time to load one of its models, until iop has timed one there.
+    load_s: Annotated[float, POSITIVE] = 30.0
+    # A load that takes longer has failed.
+    load_timeout_s: Annotated[float, POSITIVE] = 600.0
+    # A model unused for less than this is never unloaded to make room for another (nor is a
+    # spare copy, one that another provider also holds, loaded for less). Unset: load_s: a
+    # model used within one load's time is likely wanted again before a load could pay off.
+    unload_idle_s: Annotated[float, NON_NEGATIVE] | None = None
+
+    @property
+    def idle_floor_s(self) -> float:
+        """``unload_idle_s``, else ``load_s``."""
+        return self.load_s if self.unload_idle_s is None else self.unload_idle_s
+
+    @property
+    def manages_models(self) -> bool:
+        """Whether iop manages which of its models are loaded (``lifecycle``)."""
+        if self.lifecycle is not None:
+            return self.lifecycle == "managed"
+        return self.type in MANAGED_TYPES
 
     @property
     def auto(self) -> bool:
@@ -395,6 +431,11 @@ class FakeProviderConfig(_Base, frozen=True):
     delay_ms: int = 0
     tokens: int = 16
     token_interval_ms: int = 0
+    # Ollama's model lifecycle (``iop fake-provider --max-loaded/--load-ms/--keep-alive-s``); all
+    # None: off, every model always loaded.
+    max_loaded: Annotated[int, POSITIVE] | None = None
+    load_ms: Annotated[int, NON_NEGATIVE] | None = None
+    keep_alive_s: Annotated[float, NON_NEGATIVE] | None = None
 
 
 class DemoConfig(_Base, frozen=True):

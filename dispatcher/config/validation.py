@@ -18,6 +18,7 @@ from dispatcher.config.field_rules import problems_in
 from dispatcher.config.schema import (
     CATEGORIES,
     HTTP_TYPES,
+    LIFECYCLE_TYPES,
     PROVIDER_TYPES,
     QUALIFY_TENANT,
     Config,
@@ -234,6 +235,9 @@ def _provider_problems(path: str, prov: ProviderConfig) -> Iterator[ConfigProble
     elif prov.min_capacity is not None and prov.max_capacity is not None and prov.min_capacity > prov.max_capacity:
         yield ConfigProblem(f"{path}.max_capacity",
                             f"must not be below min_capacity ({prov.min_capacity}), got {prov.max_capacity}")
+    if prov.lifecycle == "managed" and prov.type not in LIFECYCLE_TYPES:
+        yield ConfigProblem(f"{path}.lifecycle", f"type {prov.type!r} cannot load or unload models; "
+                            f"managed needs one of {sorted(LIFECYCLE_TYPES)}")
     for path_, name in _duplicates((f"{path}.models[{i}]", m) for i, m in enumerate(prov.models)):
         yield ConfigProblem(path_, f"duplicate served name {name!r}")
 

@@ -97,6 +97,17 @@ text is ``tokens`` words ``"tok0 tok1 ... tokN-1"`` wherever the model generates
     with ``x-fake-audio-bytes: <total size>``; always chunked, in ``tokens`` writes with
     ``token_interval_ms`` between them. ``stream_format: "sse"``: ``speech.audio.delta`` events
     (base64 ``audio``) then ``speech.audio.done``.
+``POST /api/generate``, ``POST /api/chat`` (Ollama's native API)
+    ``{model, prompt?, keep_alive?, stream?}`` / ``{model, messages?, keep_alive?, stream?}``. With no
+    prompt (messages) the model is loaded: ``{"model", "created_at", "response": "", "done": true,
+    "done_reason": "load"}`` (``/api/chat``: ``"message": {"role": "assistant", "content": ""}``
+    instead of ``response``) once it is; with ``keep_alive`` 0 too it is unloaded (``done_reason:
+    "unload"``, at once, the model going when its requests end). ``keep_alive`` as Ollama reads
+    it: seconds, or a Go duration string (``"5m"``, ``"1h30m"``), negative: forever; anything else
+    400 with Go's message. Otherwise it generates: NDJSON lines ``{"model", "created_at", "response":
+    "tok0 ", "done": false}`` then a ``done: true, done_reason: "stop"`` line with ``context`` and
+    the metrics (``load_duration`` … in ns), or one object with ``stream: false``. A model not in
+    ``models`` answers 404 ``{"error": "model '…' not found"}``; errors are ``{"error": message}``.
 ``POST /v1/images/generations``
     ``{model, prompt, n?, response_format?}`` → ``{"created", "data": [{"b64_json": <a valid 1x1
     PNG, its colour derived from the prompt and index>, "revised_prompt"}, … n of them]}`` (``url``: a
@@ -108,6 +119,37 @@ Every pipeline answer, and every other ``/v1`` answer (``/v1/models``, a 404 or 
 gateway must not relay). ``GET /v1/models`` lists ``models``; ``/health``,
 ``/health_generate``, ``/api/tags``, ``/api/ps``, ``/api/version``, ``/api/v1/health`` and
 ``/api/v1/models`` are the probes. An unknown path answers 404, a wrong method 405 (OpenAI-shaped).
+``/api/tags`` lists ``models`` as Ollama (``{"models": [{"name", "model", "modified_at", "size",
+"digest", "details"}]}``); ``/api/ps`` the loaded ones (``{"models": [{"name", "model", "size",
+"digest", "details", "expires_at", "size_vram", "context_length"}]}``, the longest time left first).
+
+Ollama's model lifecycle
+========================
+
+Off unless one of ``max_loaded``, ``load_ms``, ``keep_alive_s`` is set (``--max-loaded``,
+``--load-ms``, ``--keep-alive-s``). Off, every model of ``models`` is loaded at all times
+(``/api/ps`` lists them all, ``/api/generate`` load/unload answer and change nothing). On, the
+fake starts with nothing loaded, as a fresh Ollama (``_lifecycle``, after Ollama's server/sched.go):
+
+* a request for a model of ``models`` that is not loaded -- on any pipeline endpoint, after the
+  checks of the pipeline and ``delay_ms`` -- first loads it, taking ``load_ms`` (counted in its
+  time to first token); a request for another name answers as without the lifecycle;
+* one load at a time; concurrent requests for a loading model wait for that one load;
+* at ``max_loaded`` the least recently used idle model is unloaded first (Ollama evicts the idle
+  one with the shortest keep-alive, then by name); when every loaded model is busy (a request
+  running on it), the load waits until one is idle;
+* a model whose last request ended is unloaded after its keep-alive: the ``keep_alive`` of the
+  last ``/api/generate`` / ``/api/chat`` that named it, else ``keep_alive_s`` (Ollama's
+  ``OLLAMA_KEEP_ALIVE``, 300 s there; None: never). The OpenAI-shaped endpoints carry none, as
+  Ollama's.
+
+``GET /_fake/lifecycle``: ``{"on", "loaded": [least recently used first], "loading": [...],
+"waiting": [a model whose load waits for an idle one], "in_use": {model: requests},
+"loads": {model: {"request": n, "api": n}}, "unloads": {model: {"api": n, "keep_alive": n,
+"evict": n}}, "total_loads", "total_unloads"}`` -- a load is ``api`` when asked for by a
+``/api/generate`` / ``/api/chat`` without prompt, an unload ``api`` when asked for with
+``keep_alive`` 0, ``keep_alive`` when the keep-alive ran out, ``evict`` to make room.
+``POST /_fake/lifecycle/reset`` zeroes the counters (not what is loaded).
 
 Options and the pipeline
 ========================
@@ -142,6 +184,10 @@ itself is validated (400). Options (``FakeOptions``, all changed by ``POST /_fak
     one arrives on it, the server closes it without answering (nor counting or recording it), as a
     server does that closed an idle keep-alive connection just as the client reused it from its
     pool: the client sees "Server disconnected" and must retry on a new connection.
+``max_loaded``, ``load_ms``, ``keep_alive_s``
+    Ollama's model lifecycle, below: models loaded at once (at least 1), how long a load takes,
+    the default keep-alive in seconds; all None (the default): off, every model always loaded.
+    A load waits after the checks above and ``delay_ms``, inside a ``parallel`` slot.
 
 Test hooks
 ==========
@@ -169,7 +215,8 @@ request alone (``fail_status``: a request the runtime fails by what it carries).
 
 Code: ``_server`` (the pipeline, chat/completions/embeddings, probes, test hooks, the app),
 ``_responses``, ``_anthropic``, ``_pooling`` (rerank, score, tokenize), ``_media`` (audio,
-images), ``_common`` (options, the per-request ``_Call``, errors, stream writing).
+images), ``_ollama`` (Ollama's native API), ``_lifecycle`` (Ollama's model lifecycle), ``_common``
+(options, the per-request ``_Call``, errors, stream writing).
 """
 
 from __future__ import annotations

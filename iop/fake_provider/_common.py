@@ -70,6 +70,14 @@ class FakeOptions(msgspec.Struct, kw_only=True):
     word: str = "tok"
     """The stem of the generated words, ``<word>0 <word>1 ...``: another stem is another word list,
     a fake that serves another model under the same id."""
+    max_loaded: int | None = None
+    """Ollama's model lifecycle (on when this, ``load_ms`` or ``keep_alive_s`` is set): at most this
+    many of ``models`` loaded at once (``OLLAMA_MAX_LOADED_MODELS``); None: no limit."""
+    load_ms: int | None = None
+    """How long loading a model takes (with the lifecycle on; None: as 0)."""
+    keep_alive_s: float | None = None
+    """Ollama's default keep-alive (``OLLAMA_KEEP_ALIVE``, 300 in Ollama): an idle model is unloaded
+    after this many seconds; None: never."""
 
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -93,6 +101,9 @@ class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     close_idle_keepalive: bool | msgspec.UnsetType = msgspec.UNSET
     parallel: _NonNegative | msgspec.UnsetType = msgspec.UNSET
     word: str | msgspec.UnsetType = msgspec.UNSET
+    max_loaded: Annotated[int, msgspec.Meta(ge=1)] | msgspec.UnsetType | None = msgspec.UNSET
+    load_ms: _NonNegative | msgspec.UnsetType | None = msgspec.UNSET
+    keep_alive_s: Annotated[float, msgspec.Meta(ge=0)] | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Recorded(msgspec.Struct, omit_defaults=True):
@@ -248,6 +259,8 @@ class _Endpoint(NamedTuple):
     needs_model: bool = True
     anthropic: bool = False
     """Anthropic-shaped errors and Anthropic response headers."""
+    ollama: bool = False
+    """Ollama's native API: streams unless ``stream: false``, and loads its model itself (it may not)."""
 
 
 class _Call:

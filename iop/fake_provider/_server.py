@@ -50,6 +50,8 @@ from ._common import (
     _stream,
     _words,
 )
+from ._lifecycle import Lifecycle, is_on
+from ._ollama import OllamaAPI
 from ._responses import ResponsesAPI
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -173,6 +175,8 @@ class _FakeProvider:
         self.fallback_resource: web.AbstractResource | None = None
         responses = ResponsesAPI()
         self.responses = responses
+        self.lifecycle = Lifecycle(options)
+        self.ollama = ollama = OllamaAPI(options, self.lifecycle)
         chat = {"POST": _Endpoint(self._chat, streams=True)}
         rerank = {"POST": _Endpoint(_pooling.rerank)}
         score = {"POST": _Endpoint(_pooling.score)}
@@ -208,6 +212,8 @@ class _FakeProvider:
             "/v1/audio/translations": {"POST": _Endpoint(_media.translation, body=_BODY_FORM)},
             "/v1/audio/speech": {"POST": _Endpoint(_media.speech)},
             "/v1/images/generations": {"POST": _Endpoint(_media.images)},
+            "/api/generate": {"POST": _Endpoint(ollama.generate, streams=True, needs_model=False, ollama=True)},
+            "/api/chat": {"POST": _Endpoint(ollama.chat, streams=True, needs_model=False, ollama=True)},
         }
         self.routes: dict[str, dict[str, _Handler]] = {
             "/v1/models": {"GET": self.v1_models},
@@ -224,6 +230,8 @@ class _FakeProvider:
             "/_fake/control": {"POST": self.control},
             "/_fake/hooks": {"GET": self.get_hooks, "POST": self.set_hooks},
             "/_fake/executions": {"GET": self.get_executions, "DELETE": self.clear_executions},
+            "/_fake/lifecycle": {"GET": self.get_lifecycle},
+            "/_fake/lifecycle/reset": {"POST": self.reset_lifecycle},
         }
         for path, methods in self.endpoints.items():
             self.routes[path] = {method: self._handler(endpoint) for method, endpoint in methods.items()}
@@ -313,7 +321,11 @@ class _FakeProvider:
         stream = False
         if endpoint.streams and is_object:
             flag = body.get("stream")
-            stream = flag is True or (kind == _BODY_FORM and flag in ("true", "True"))
+            stream = (
+                flag is True
+                or (flag is None and endpoint.ollama)  # Ollama streams unless told not to
+                or (kind == _BODY_FORM and flag in ("true", "True"))
+            )
         method = None if request.method == "POST" else request.method
         headers = _recorded_headers(request.headers)
         recorded = _Recorded(request.path, model, stream, authorization, body, method, headers)
@@ -378,6 +390,13 @@ class _FakeProvider:
             call.stream = stream
             call.tokens = n
             call.interval_ms = interval_ms
+            # Ollama's lifecycle: the model is loaded first (the native endpoints see to it themselves).
+            if model is not None and not endpoint.ollama and is_on(options) and model in options.models:
+                runner = await self.lifecycle.acquire(model, msgspec.UNSET, "request")
+                try:
+                    return await endpoint.answer(call)
+                finally:
+                    self.lifecycle.release(runner)
             return await endpoint.answer(call)
         finally:
             if slots is not None:
@@ -495,36 +514,11 @@ class _FakeProvider:
     async def health(self, request: web.Request) -> web.Response:
         return self._unhealthy() or web.Response()
 
-    def _ollama_models(self, loaded: bool) -> bytes:
-        models: list[dict[str, Any]] = []
-        for name in self.options.models:
-            entry: dict[str, Any] = {
-                "name": name,
-                "model": name,
-                "size": 0,
-                "digest": hashlib.sha256(name.encode()).hexdigest(),
-                "details": {
-                    "parent_model": "",
-                    "format": "gguf",
-                    "family": "fake",
-                    "families": ["fake"],
-                    "parameter_size": "0B",
-                    "quantization_level": "F16",
-                },
-            }
-            if loaded:
-                entry["expires_at"] = "2999-01-01T00:00:00Z"
-                entry["size_vram"] = 0
-            else:
-                entry["modified_at"] = "2024-01-01T00:00:00Z"
-            models.append(entry)
-        return msgspec.json.encode({"models": models})
-
     async def ollama_tags(self, request: web.Request) -> web.Response:
-        return self._unhealthy() or web.Response(body=self._ollama_models(False), content_type=_JSON)
+        return self._unhealthy() or web.Response(body=self.ollama.tags(), content_type=_JSON)
 
     async def ollama_ps(self, request: web.Request) -> web.Response:
-        return self._unhealthy() or web.Response(body=self._ollama_models(True), content_type=_JSON)
+        return self._unhealthy() or web.Response(body=self.ollama.ps(), content_type=_JSON)
 
     async def ollama_version(self, request: web.Request) -> web.Response:
         return self._unhealthy() or web.Response(body=b'{"version":"0.0.0-fake"}', content_type=_JSON)
@@ -570,7 +564,16 @@ class _FakeProvider:
         return web.Response(body=b"[]", content_type=_JSON)
 
     async def control(self, request: web.Request) -> web.Response:
-        return await _patch(request, self.options, _OptionsPatch, "options")
+        response = await _patch(request, self.options, _OptionsPatch, "options")
+        self.lifecycle.notify()  # a load waiting for room may have more now
+        return response
+
+    async def get_lifecycle(self, request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(self.lifecycle.counts()), content_type=_JSON)
+
+    async def reset_lifecycle(self, request: web.Request) -> web.Response:
+        self.lifecycle.reset_counts()
+        return web.Response(body=msgspec.json.encode(self.lifecycle.counts()), content_type=_JSON)
 
     # ---------------------------------------------------------------- anything else
 

@@ -19,7 +19,18 @@ import msgspec
 
 from dispatcher.qualifications import LifecycleCheck, ProviderReport, Report, encode, markdown
 from iop.qualify.agreement import Answer, compare
-from iop.qualify.workload import LONG_PROMPT, Client, Step, Stopped, knee, latency, levels, step
+from iop.qualify.workload import (
+    LONG_PROMPT,
+    Client,
+    Ladder,
+    Step,
+    Stopped,
+    found_knee,
+    knee,
+    ladder,
+    latency,
+    step,
+)
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
 
@@ -58,8 +69,17 @@ async def _admin(session: aiohttp.ClientSession, o: Options, method: str, path: 
     async with session.request(method, o.url.rstrip("/") + path, json=body, headers=headers) as resp:
         text = await resp.text()
         if resp.status >= 400:
-            raise RuntimeError(f"{method} {path} answered {resp.status}: {text[:300]}")
+            raise RuntimeError(f"{method} {path} answered {resp.status}: {_message(text)}")
         return json.loads(text) if text else None
+
+
+def _message(text: str) -> str:
+    """The ``message`` of an error answer (what says how to fix it), else its first 300 characters."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+    return str(message)
 
 
 async def _answers(client: Client, provider: str, fixed: list[dict[str, Any]], tokens: int) -> dict[str, Answer]:
@@ -86,17 +106,23 @@ async def qualify(o: Options, say: Any = None) -> Report:
         long: dict[str, Step] = {}
         answers: dict[str, dict[str, Answer]] = {}
         notes: list[str] = []
+        cut: dict[str, list[str]] = {}  # provider -> the bounds that ended its sweep before a knee
         cancelled = False
         try:
             for p in run["providers"]:
                 pid = p["provider"]
                 curves[pid] = []
-                for c in levels(run["max_in_flight"], o.max_concurrency):
+                bounded = ladder(run["max_in_flight"], p["capacity"], o.max_concurrency)
+                for c in bounded.levels:
                     s = await step(client, pid, c, max(o.requests_per_step, 2 * c), o.max_tokens)
                     say(f"{pid}: concurrency {c}: {s.tokens_per_s:.1f} tokens/s")
                     curves[pid].append(s)
                     if len(curves[pid]) > 1 and knee(curves[pid]) != c:
                         break  # throughput stopped growing
+                else:  # a bound ended the ladder while throughput still grew: no knee found
+                    cut[pid] = bounded.bounds
+                    notes.append(sweep_note(pid, bounded, curves[pid], run))
+                    say(f"{pid}: {notes[-1]}")
                 long[pid] = await step(client, pid, 1, 2, o.max_tokens, LONG_PROMPT)
             for p in run["providers"]:
                 answers[p["provider"]] = await _answers(client, p["provider"], fixed, o.answer_tokens)
@@ -108,14 +134,31 @@ async def qualify(o: Options, say: Any = None) -> Report:
                 await _admin(admin, o, "DELETE", f"/admin/qualifications/runs/{run['run']}")
         finally:
             await client.close()
-        report = _report(o, run, started, curves, long, answers, fixed, cancelled, notes)
+        report = _report(o, run, started, curves, long, answers, fixed, cancelled, notes, cut)
         await _admin(admin, o, "POST", f"/admin/qualifications/{o.model}", msgspec.to_builtins(report))
     return report
 
 
+def sweep_note(provider: str, bounded: Ladder, steps: list[Step], run: dict[str, Any]) -> str:
+    """What ended ``provider``'s sweep before throughput stopped growing, and how to measure
+    further: a line of the report's notes."""
+    why = {
+        "share": f"the run's share of the model's slots (qualify.share {run['share']:g}: {run['max_in_flight']} "
+                 "at once; raise it to measure further)",
+        "capacity": f"its capacity in iop ({bounded.top}: iop sends it no more at once, so a higher step would "
+                    "time iop's own queue; qualify it with a higher capacity to find its knee)",
+        "max_concurrency": f"--max-concurrency {bounded.top}",
+    }
+    said = " and ".join(why[b] for b in bounded.bounds)
+    if not steps:
+        return f"{provider}: not measured: the sweep allows no call at once, by {said}"
+    return (f"{provider}: no knee found, so no suggested_capacity: throughput still grew at concurrency "
+            f"{steps[-1].concurrency}, the sweep's last step under {said}")
+
+
 def _report(o: Options, run: dict[str, Any], started: str, curves: dict[str, list[Step]], long: dict[str, Step],
             answers: dict[str, dict[str, Answer]], fixed: list[dict[str, Any]], cancelled: bool,
-            notes: list[str]) -> Report:
+            notes: list[str], cut: dict[str, list[str]] | None = None) -> Report:
     agree = compare({p: a for p, a in answers.items()})
     out = []
     for p in run["providers"]:
@@ -133,7 +176,8 @@ def _report(o: Options, run: dict[str, Any], started: str, curves: dict[str, lis
             flags.append("errors")
         out.append(ProviderReport(
             provider=pid, served_name=p["served_name"], type=p["type"], node=p["node"],
-            suggested_capacity=knee(steps), ttft_ms=ttft, itl_ms=itl, throughput=throughput,
+            suggested_capacity=found_knee(steps) if steps else None, sweep_cut_by=(cut or {}).get(pid, []),
+            ttft_ms=ttft, itl_ms=itl, throughput=throughput,
             tokens_per_s=round(max(throughput.values()), 2) if throughput else None,
             long_prompt_ttft_ms=latency([r.ttft_s for r in lstep.results if r.ok and r.ttft_s is not None])
             if lstep else None,
@@ -178,4 +222,6 @@ def main(argv: Any) -> int:
         print(markdown(report), end="")
     else:
         print(table(report))
+        for note in report.notes:  # a sweep cut short, a run stopped early: the table alone hides it
+            print(f"note: {note}")
     return 2 if any("diverges" in p.flags for p in report.providers) else 0

@@ -1,6 +1,7 @@
 """The benchmark part of a qualification: streamed chat requests through iop, pinned to one
 provider (``x-iop-provider``), at concurrency 1, 2, 4, ... until throughput stops growing (or
-the run's share of the model's slots, or its bounds, stop it). Each request is timed as a
+the run's share of the model's slots, the provider's capacity in iop, or the run's bounds,
+stop it: then no knee is claimed). Each request is timed as a
 client sees it: TTFT to the first content chunk, inter-token latency between content chunks,
 completion tokens from the stream's usage (or its content chunks, where it reports none).
 """
@@ -187,6 +188,34 @@ def knee(steps: list[Step]) -> int | None:
         else:
             break
     return best.concurrency
+
+
+def found_knee(steps: list[Step]) -> int | None:
+    """The knee where the curve shows one: a step after it grew less than GROWTH. None when
+    throughput grew up to the last step measured (or one step alone was): the knee is there or
+    beyond, and a sweep cut short by a bound must not present that step as the knee."""
+    found = knee(steps)
+    return found if found is not None and found != steps[-1].concurrency else None
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """A provider's concurrency sweep: its steps, and the bounds that end it (``share``: the
+    run's share of the model's slots; ``capacity``: the provider's capacity in iop, past which
+    calls would wait in iop's own queue, not on the provider; ``max_concurrency``: the caller's
+    ``--max-concurrency``), each as high as ``top``."""
+
+    levels: list[int]
+    top: int
+    bounds: list[str]
+
+
+def ladder(share_slots: int, capacity: int, limit: int | None) -> Ladder:
+    # Capped at the provider's capacity: a step above it would time iop's queue as well as the
+    # provider, and its extra throughput (the capacity's, not the step's) would pass for growth.
+    tops = {"max_concurrency": limit, "capacity": capacity, "share": share_slots}
+    top = min(v for v in tops.values() if v is not None)
+    return Ladder(levels(top, None), top, [name for name, v in tops.items() if v == top])
 
 
 def levels(cap: int, limit: int | None) -> list[int]:

@@ -11,7 +11,7 @@
 -- lane.max_wait_ms for it): 'spill' with busy = true, and the caller holds the job. A head
 -- whose holders are all over the bound spills to a shorter head's, then to `default` (the
 -- S04 choice). A provider that may not take work (down, drained, removed, ejected:
--- lib/usable.lua) holds nothing. Returns the candidate, 'hit' | 'miss' | 'spill',
+-- lib/usable.lua), or does not hold the model loaded (lib/warm.lua), holds nothing. Returns the candidate, 'hit' | 'miss' | 'spill',
 -- the index's entries of the job's blocks (lib/remember.lua writes them back) and busy.
 -- `ctx`: the pump() call's state (lib/pump.lua).
 --!include lib/dispatch_plan.lua
@@ -20,13 +20,14 @@
 --!include lib/serves.lua
 --!include lib/excluded.lua
 --!include lib/home_room.lua
+--!include lib/warm.lua
 
 local function affine(ctx, lane, rec, default, patient)
   local held = redis.call('HMGET', KEYS[BASE + lane.index], unpack(rec.blocks))
   local eligible, total_inf, total_cap = {}, 0, 0
   for _, cand in ipairs(lane.candidates) do
     local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
-    if usable(ctx, lane, s) and serves(cand, rec) and not excluded(rec, cand.provider) then
+    if usable(ctx, lane, s) and warm(ctx, cand) and serves(cand, rec) and not excluded(rec, cand.provider) then
       eligible[cand.provider] = cand
       total_inf, total_cap = total_inf + s.inf, total_cap + s.cap
     end

@@ -3,7 +3,9 @@
 -- call's view, `ctx`: lib/pump.lua), the clocks and counters of flow control
 -- (lib/dispatched.lua), the queue's drain rate if it waited (lib/drain_rate.lua), an entry
 -- on its node's stream (`queued` when it goes past capacity, a hit to its home's queue,
--- also counted for the catalog), and its record.
+-- also counted for the catalog), and its record. On a provider whose models iop manages,
+-- the model's running count and last use (lib/model_state.lua), and `rec.managed`, so
+-- that its release gives the count back (lib/jobs.lua release_slot).
 --!include lib/jobs.lua
 --!include lib/dispatch_plan.lua
 --!include lib/queue_of.lua
@@ -11,6 +13,7 @@
 --!include lib/dispatched.lua
 --!include lib/provider_state.lua
 --!include lib/arrived.lua
+--!include lib/model_state.lua
 
 local function assign(ctx, job, rec, lane, cand)
   local qkey, now = queue_of(lane), ctx.now
@@ -39,6 +42,14 @@ local function assign(ctx, job, rec, lane, cand)
   end
   redis.call('HINCRBY', pkey, 'in_flight', 1)
   s.inf = s.inf + 1
+  if cand.managed then
+    -- What keeps a model from being unloaded for another (lib/model_room.lua).
+    redis.call('HINCRBY', pkey, 'mr:' .. cand.served, 1)
+    redis.call('HSET', pkey, 'mu:' .. cand.served, now)
+    local m = model_state(ctx, pkey, cand.served)
+    m.running, m.used = m.running + 1, now
+  end
+  rec.managed = cand.managed and 1 or nil
   redis.call('ZADD', LEASES, now + LEASE_MS, job)
   local body = a and a.body or redis.call('HGET', BODIES, job) or ''
   -- The node stream entry (dispatcher/events.py Assignment, by the same names).

@@ -52,11 +52,16 @@ local function drop_job(job, rj_key)
 end
 
 -- Give a slot back. Only a live lease gives one back, so a second release is a no-op
--- and in_flight never goes below zero.
+-- and in_flight never goes below zero; nor does a managed model's running count
+-- (lib/assign.lua, lib/model_state.lua).
 local function release_slot(job, pkey, rec)
   if redis.call('ZREM', LEASES, job) == 1 then
     local inf = tonumber(redis.call('HGET', pkey, 'in_flight') or '0') or 0
     if inf > 0 then redis.call('HINCRBY', pkey, 'in_flight', -1) end
+    if rec.managed and rec.target then
+      local field = 'mr:' .. rec.target
+      if (tonumber(redis.call('HGET', pkey, field) or '0') or 0) > 0 then redis.call('HINCRBY', pkey, field, -1) end
+    end
     count(rec, 'r', -1)
     return true
   end

@@ -94,7 +94,8 @@ async def test_available_provider_has_every_field(h: Harness) -> None:
     assert up.missing_models == ["tiny-up"]  # configured, but the provider does not offer it
     assert up.loaded_models is None
     assert up.queued == 0
-    assert up.lifecycle_capabilities == LifecycleFlags(list_models=True)
+    # vLLM's sleep mode unloads and loads its one model; it neither pulls nor deletes.
+    assert up.lifecycle_capabilities == LifecycleFlags(list_models=True, load_model=True, unload_model=True)
     assert up.heartbeat_age_ms is not None
     assert 0 <= up.heartbeat_age_ms < 10_000
     assert up.model_groups == ["qwen", "tiny"]
@@ -173,6 +174,7 @@ async def test_categories_of_every_kind(h: Harness) -> None:
     assert {p.category for p in providers.values()} == {"api", "cli", "local_inference"}
     assert providers["tool"].category == "cli"
     assert providers["tool"].lifecycle_capabilities == LifecycleFlags()
+    assert providers["zero"].lifecycle_capabilities == LifecycleFlags(list_models=True)  # sglang
 
 
 async def test_queued_counts_while_a_group_is_saturated(h: Harness) -> None:
@@ -240,6 +242,8 @@ async def test_slots_hint_is_shown_beside_the_capacity(h: Harness) -> None:
     llama = providers["llama"]
     assert (llama.type, llama.category) == ("llamacpp", "local_inference")
     assert (llama.capacity, llama.slots) == (4, 8)
+    # llama-server's router mode loads and unloads the GGUFs of its --models-dir.
+    assert llama.lifecycle_capabilities == LifecycleFlags(list_models=True, load_model=True, unload_model=True)
     assert llama.endpoints == list(DEFAULT_ENDPOINTS["llamacpp"])
     # A hint only: the free slots of its group follow the capacity.
     local = next(m for m in doc.models if m.id == "local")

@@ -37,6 +37,8 @@ from dispatcher.worker_side import WorkerSide
 from iop.redis_server import RedisServer
 from tests.dispatcher.harness import Harness
 from tests.dispatcher.monitor import Command, MonitorRecorder, parse_line
+from workers.adapters.model_runtime import RuntimeModels
+from workers.model_lifecycle import report_of
 
 pytestmark = pytest.mark.anyio
 
@@ -323,6 +325,13 @@ class Scenario:
         # A worker publishes what it learned of c's load (lua/capacity.lua).
         self.note("capacity c", await self.n2.publish_capacity(
             "c", wire.CapacityReport(capacity=2, mode="auto", external=1, reason="test", moved=True)))
+        # c's worker reads what its runtime holds (lua/models.lua: c is an ollama, whose models
+        # iop manages), then reports a load's end (lua/load_done.lua); each pumps c's lanes.
+        c = next(p for _, p in self.config.providers() if p.id == "c")
+        held = RuntimeModels(states={"m1@c": "loaded", "m2@c": "unloaded"}, max_loaded=1)
+        self.note("models c", await h.calls.models("c", report_of(self.config, c, held)))
+        done = wire.LoadOutcome(provider="c", served="m2@c", ok=True, load_ms=5)
+        self.note("loaded c", await h.calls.load_done("c", done))
         # A 5xx, then the same request answered by another provider: the first is blamed, and
         # ejected (lib/evidence.lua, lib/eject.lua read the lane's other providers).
         for job in list(await self.running()):

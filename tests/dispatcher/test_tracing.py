@@ -142,7 +142,7 @@ def test_configured_without_the_package_logs_one_error_and_runs_without(
         assert tracing.setup(Config(), "api") is False
     assert tracing.tracer is None
     [record] = caplog.records
-    assert "pip install 'iop[otel]'" in record.getMessage()
+    assert ".venv/bin/pip install -e '.[otel]'" in record.getMessage()
     assert "http://collector:4318/v1/traces" in record.getMessage()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 import struct
 import subprocess
 import sys
@@ -24,11 +23,9 @@ import pytest
 
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from iop.redis_server import RedisServer
+from tests.e2e.browser import CHROMIUM, CHROMIUM_ARGS
 from tests.e2e.system import System, http_provider
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 EXPECTED_HEALTH = {"up": "available", "sick": "unavailable", "tool": "available", "hosted": "available",
                    "ghost": "unknown", "llama": "available"}
 EXPECTED_CATEGORY = {"up": "local_inference", "sick": "local_inference", "tool": "cli", "hosted": "api",
@@ -302,6 +299,41 @@ def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
 
 def path_points(d: str) -> list[tuple[float, float]]:
     return [(float(x), float(y)) for x, y in re.findall(r"[ML]\s*(-?[\d.]+)[ ,]+(-?[\d.]+)", d)]
+
+
+def test_a_missing_qualification_report_is_a_404_that_says_how_to_make_one(system: System) -> None:
+    # This system's config has no qualify section: the answer says that too.
+    resp = httpx.get(f"{system.api_url}/qualifications/pool", timeout=10)
+    assert resp.status_code == 404, resp.text
+    error = resp.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "qualification_not_found")
+    assert error["message"].startswith("No qualification report of 'pool' yet: qualification runs are off in this "
+                                       "iop: add a `qualify:` section to the config"), error
+    assert "`iop qualify --model pool` makes one" in error["message"]
+    run = httpx.post(f"{system.api_url}/admin/qualifications/pool/runs", json={}, timeout=10)
+    assert run.status_code == 404, run.text
+    assert run.json()["error"]["type"] == "invalid_request_error"
+    assert "add a `qualify:` section to the config" in run.json()["error"]["message"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")
+def test_ui_qualifications_page_shows_why_there_is_no_report(system: System) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(f"{system.api_url}/ui/qualifications?model=pool")
+            status = page.locator("[data-testid=status]")
+            page.wait_for_function("!document.getElementById('status').textContent.startsWith('loading')",
+                                   timeout=15_000)
+            said = status.inner_text()
+            assert said.startswith("No qualification report of 'pool' yet"), said
+            assert "answered 404" not in said
+            assert page.locator("[data-testid=qualified]").count() == 0
+        finally:
+            browser.close()
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (Debian package 'chromium')")

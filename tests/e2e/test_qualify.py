@@ -73,6 +73,18 @@ def test_the_knee_of_a_server_of_four_slots_is_four(report: dict[str, Any]) -> N
     assert ps["a"]["throughput"]["4"] > 3 * ps["a"]["throughput"]["1"]
 
 
+def test_a_sweep_cut_short_by_a_bound_claims_no_knee(report: dict[str, Any]) -> None:
+    # c runs every call at once (no --parallel): its throughput grew up to 16, where both its
+    # capacity and --max-concurrency stop the sweep. That is no knee, and the report says so.
+    c = by_provider(report)["c"]
+    assert c["suggested_capacity"] is None, c
+    assert c["sweep_cut_by"] == ["max_concurrency", "capacity"]
+    assert "16" in c["throughput"]
+    (note,) = [n for n in report["notes"] if n.startswith("c: ")]
+    assert note.startswith("c: no knee found, so no suggested_capacity: throughput still grew at concurrency 16"), note
+    assert by_provider(report)["a"]["sweep_cut_by"] == []
+
+
 def test_providers_are_ranked_by_the_ttft_a_client_measures(report: dict[str, Any]) -> None:
     ps = by_provider(report)
     assert ps["a"]["ttft_ms"]["1"]["p50"] < ps["b"]["ttft_ms"]["1"]["p50"]
@@ -112,7 +124,9 @@ def test_the_report_is_stored_and_read_back(system: System, report: dict[str, An
     assert httpx.get(f"{system.api_url}/qualifications/m?index=0", timeout=10).json() == report
     for path in ("/qualifications/m?index=1", "/qualifications/m/markdown?index=0&against=1"):
         gone = httpx.get(f"{system.api_url}{path}", timeout=10)
-        assert "no qualification report 1 of 'm' is kept" in gone.text, (path, gone.text)
+        assert gone.status_code == 404, (path, gone.text)
+        assert gone.json()["error"]["code"] == "qualification_not_found"
+        assert "No qualification report 1 of 'm' is kept" in gone.text, (path, gone.text)
     assert httpx.get(f"{system.api_url}/qualifications/m?index=first", timeout=10).status_code == 400
     page = httpx.get(f"{system.api_url}/ui/qualifications", timeout=10)
     assert page.status_code == 200
@@ -186,5 +200,5 @@ def test_a_node_without_a_gpu_reports_cpu_memory_and_no_gpus(system: System) -> 
 def test_the_knees_seed_capacity_auto(system: System, report: dict[str, Any]) -> None:
     seeds = {k.decode(): json.loads(v) for k, v in system.redis.hgetall(keys.CAPACITY_SEEDS).items()}
     assert {p: s["capacity"] for p, s in seeds.items()} == {
-        p["provider"]: p["suggested_capacity"] for p in report["providers"]}
+        p["provider"]: p["suggested_capacity"] for p in report["providers"] if p["suggested_capacity"] is not None}
     assert seeds["a"] == {"capacity": 4, "model": "m", "run": report["run"], "started": report["started"]}

@@ -30,7 +30,7 @@ from dispatcher.config import ProviderConfig
 from dispatcher.config.validation import NO_MODELS
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from iop.catalog_cli import SHORT_ENDPOINTS, WIDTH, render
-from iop.cli import DEMO_CONFIG, main
+from iop.cli import DEMO_CONFIG, build_parser, main
 from iop.redis_server import free_port
 from iop.up import _fake_models
 
@@ -263,6 +263,21 @@ def test_worker_with_broken_config_exits_2(tmp_path: Path, capsys: pytest.Captur
     path.write_text(BROKEN)
     assert call_main("worker", "--config", str(path), "--node", "n1") == 2
     assert "$.queue.max_queue" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [("api", "--port", "0"), ("worker", "--node", "n1")], ids=["api", "worker"])
+def test_a_redis_that_cannot_be_reached_at_start_is_one_line_and_exit_1(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    path = tmp_path / "iop.yaml"
+    path.write_text(VALID + f"redis:\n  url: {nowhere}\n")
+    result = run_iop(command[0], "--config", str(path), *command[1:])
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(f"cannot reach Redis at {nowhere}: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Redis is unavailable" not in result.stderr  # no retry loop's warnings: it never started
 
 
 def test_up_with_missing_config_exits_2_before_starting_anything(
@@ -620,3 +635,36 @@ def test_catalog_command_json_keeps_the_fields(catalog_server: str, capsys: pyte
     wide = next(p for p in doc["providers"] if p["id"] == "llama-wide")
     assert (wide["capacity"], wide["slots"]) == (4, 8)
     assert wide["endpoints"] == CATALOG_DOC["providers"][0]["endpoints"]
+
+
+def test_the_client_commands_take_iop_url_when_no_url_is_given(
+    catalog_server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IOP_URL", catalog_server)
+    assert call_main("catalog", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["providers"][0]["id"] == "llama-wide"
+    # --url still wins; the default without either is :8080.
+    parser = build_parser()
+    assert parser.parse_args(["catalog", "--url", "http://x:1"]).url == "http://x:1"
+    for argv in (["provider", "drain", "p"], ["provider", "resume", "p"], ["qualify", "--model", "m"]):
+        assert parser.parse_args(argv).url == catalog_server, argv
+    monkeypatch.delenv("IOP_URL")
+    assert build_parser().parse_args(["catalog"]).url == "http://127.0.0.1:8080"
+
+
+def test_catalog_table_shows_what_a_managed_provider_holds() -> None:
+    state = {"since": 1, "last_used": None, "running": 0, "failed_until": None, "unloads": {}, "load_failures": 0}
+    doc = _catalog_doc(
+        _catalog_provider("swap", "ollama", 2, 1, lifecycle="managed", max_loaded=1, loading="y",
+                          models_state={"x": {**state, "state": "unloading", "load_s": 1.5, "failure": "",
+                                              "loads": {"demand": 2}},
+                                        "y": {**state, "state": "loading", "load_s": None,
+                                              "failure": "out of memory", "loads": {}}}),
+        _catalog_provider("plain", "vllm", 4))
+    text = render(doc, colour=False)
+    assert _row(text, "swap").endswith("x [unloading], y [loading]")
+    assert _detail(text, "swap")[:3] == ["    models held: 1 of 1; loading y",
+                                         "    x: loads take 1.5 s; loaded 2x by demand",
+                                         "    y: last load failed: out of memory"]
+    assert "[" not in _row(text, "plain")
+    assert not any("models held" in line for line in _detail(text, "plain"))

@@ -675,6 +675,9 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         "close_idle_keepalive": False,
         "parallel": 0,
         "word": "tok",
+        "max_loaded": None,
+        "load_ms": None,
+        "keep_alive_s": None,
     }
     assert fake.options is options
     assert (options.tokens, options.models, options.api_key, options.fail_status) == (2, ["x", "y"], "k", 502)

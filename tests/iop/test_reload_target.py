@@ -17,7 +17,8 @@ import yaml
 
 from iop.processes import Child
 from iop.redis_server import RedisServer, free_port
-from iop.reload_target import iop_command, parent_of, process_at
+from iop.reload_target import Target, iop_command, parent_of, process_at
+from iop.reload_target import config_file as config_file_of
 from iop.up import pid_file
 from tests.dispatcher.config.one_model import ONE_MODEL
 from tests.waiting import eventually_sync
@@ -172,3 +173,38 @@ def test_a_server_process_of_iop_api_is_sent_sighup_and_reloads(tmp_path: Path, 
         assert sorted(_servers_of(api)()) == sorted(servers)  # none replaced, as uvicorn's own SIGHUP would
     finally:
         api.stop()
+
+
+def test_the_config_file_of_a_process_is_its_config_option_from_its_working_directory(tmp_path: Path) -> None:
+    here = Path(os.getcwd())
+    default = tmp_path / "demo.yaml"
+    relative = Target(["iop", "api", "--config", "rel.yaml"], "api")
+    assert config_file_of(os.getpid(), relative, default) == here / "rel.yaml"
+    assert config_file_of(os.getpid(), Target(["iop", "worker", "--config=/etc/iop.yaml"], "worker"),
+                       default) == Path("/etc/iop.yaml")
+    assert config_file_of(os.getpid(), Target(["iop", "up", "--port", "1"], "up"), default) == default
+    assert config_file_of(os.getpid(), Target(["iop", "worker", "--node", "n"], "worker"), default) is None
+
+
+def test_a_file_with_problems_is_reported_and_not_sent(tmp_path: Path, config_file: Path) -> None:
+    worker = Child("worker", [sys.executable, "-m", "iop", "worker", "--config", str(config_file), "--node", "n"],
+                   env_without_redis(), log_path=tmp_path / "worker.log").start()
+    try:
+        wait_for(worker, "serving node n")
+        config = yaml.safe_load(config_file.read_text())
+        config_file.write_text(yaml.safe_dump({**config, "queue": {"max_queue": -1}, "bogus": 1}))
+        result = reload("--pid", str(worker.pid))
+        assert result.returncode == 2
+        assert result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert lines[0] == f"{config_file}: 2 problem(s); nothing sent (process {worker.pid} keeps its config)"
+        assert any(line.startswith("  $.queue.max_queue") for line in lines), result.stderr
+        assert any(line.startswith("  $.bogus") for line in lines), result.stderr
+        # Fixed, the same command sends it, and the worker applies the file.
+        config_file.write_text(yaml.safe_dump(config))
+        result = reload("--pid", str(worker.pid))
+        assert result.returncode == 0, result.stderr
+        wait_for(worker, f"reload: {config_file} applied")
+        assert "nothing changed" not in worker.log()  # the broken file never reached it
+    finally:
+        worker.stop()

@@ -9,6 +9,7 @@ and kill any that are left over, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -291,6 +292,14 @@ def test_up_serves_the_demo_and_stops_everything_on_sigint(tmp_path: Path, start
         assert len(events) > 2, body
         assert events[-1] == "data: [DONE]", body
 
+    # The client commands find it through IOP_URL, as its banner says.
+    assert (f"`export IOP_URL={up.url}` points `iop catalog`, `iop provider` and `iop qualify` at it "
+            "(else give them --url).") in up.lines, up.report()
+    done = subprocess.run([sys.executable, "-m", "iop", "catalog", "--json"], capture_output=True, text=True,
+                          timeout=60, env={**up.env, "IOP_URL": up.url}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr + up.report()
+    assert {m["id"] for m in json.loads(done.stdout)["models"]} == set(served_names(raw))
+
     # Everything the supervisor started, before it is told to stop.
     children = children_of(up.proc.pid)
     everything = up.descendants()
@@ -426,6 +435,51 @@ def test_up_uses_a_configured_redis(tmp_path: Path, start_up: Any, where: str) -
             assert not [pid for pid in everything if alive(pid)]
             # iop up does not own a configured Redis: it is still there.
             assert client.ping()
+
+
+def test_up_fails_fast_on_a_configured_redis_that_cannot_be_reached(tmp_path: Path, start_up: Any) -> None:
+    config, raw = demo_copy(tmp_path)
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    up: Up = start_up(config, env={"IOP_REDIS_URL": nowhere})
+    try:
+        status = up.proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"iop up did not exit\n{up.report()}")
+    up.reader.join(30)
+    assert status == 1, up.report()
+    assert up.lines[0] == f"redis: {nowhere} (IOP_REDIS_URL)", up.report()
+    failed = [line for line in up.stderr.splitlines() if line.startswith("iop up failed: ")]
+    assert len(failed) == 1, up.report()
+    assert failed[0].startswith(f"iop up failed: cannot reach Redis at {nowhere}: "), up.report()
+    assert "Traceback" not in up.stderr
+    # Nothing was started before it: no fake provider listens.
+    assert not any(accepts(fake["port"]) for fake in raw["demo"]["fake_providers"])
+    assert not any(line.startswith("  fake ") for line in up.lines), up.report()
+
+
+def test_the_demo_qualifies_out_of_the_box(tmp_path: Path, start_up: Any) -> None:
+    """`iop qualify --model qwen3.6:35b` against `iop up`'s demo, found through IOP_URL: the
+    demo allows runs, and its fakes (every call at once) grow up to each provider's capacity,
+    which the report names instead of a knee it did not find."""
+    config, _ = demo_copy(tmp_path)
+    up: Up = start_up(config)
+    up.wait_up()
+    done = subprocess.run([sys.executable, "-m", "iop", "qualify", "--model", "qwen3.6:35b", "--json",
+                           "--requests", "2"], capture_output=True, text=True, timeout=300,
+                          env={**up.env, "IOP_URL": up.url}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["cancelled"] is False, report["notes"]
+    providers = {p["provider"]: p for p in report["providers"]}
+    assert set(providers) == {"gpu-a-vllm", "gpu-b-ollama"}
+    for pid, capacity in (("gpu-a-vllm", 4), ("gpu-b-ollama", 3)):
+        p = providers[pid]
+        assert p["errors"] == 0, p
+        assert p["suggested_capacity"] is None, p  # never 8 (a step past its capacity), never a bound
+        assert p["sweep_cut_by"] == ["capacity"], p
+        assert max(int(c) for c in p["throughput"]) <= capacity, p["throughput"]
+        assert any(n.startswith(f"{pid}: no knee found") for n in report["notes"]), report["notes"]
+    assert up.interrupt() == 0, up.report()
 
 
 @pytest.mark.parametrize("taken", ["fake", "api"])

@@ -171,6 +171,36 @@ def start_llama_server(work: Path, parallel: int = LLAMA_SLOTS, threads: int = 1
     return _ready(RealServer("llama-server", proc, port, {"chat": LLAMA_SERVED}), "/health")
 
 
+# llama-server in router mode: the GGUFs of its --models-dir, each named by its file, each of
+# other weights (tiny_gguf.py's seed).
+LLAMA_ROUTER_MODELS = ("tiny-a", "tiny-b", "tiny-c")
+
+
+def start_llama_router(work: Path, models_max: int, threads: int = 1, broken: tuple[str, ...] = ()) -> RealServer:
+    """llama.cpp's ``llama-server`` in router mode (no ``--model``): ``--models-dir`` holding
+    the tiny GGUFs of LLAMA_ROUTER_MODELS, at most ``models_max`` of them loaded at once
+    (``--models-max``). Each loaded model runs in a llama-server instance of its own, spawned
+    by the router with the router's other flags (one slot, the GGUF's context, CPU).
+    ``broken``: names of files beside them that are no GGUF (their instance cannot load)."""
+    models_dir = work / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    for seed, name in enumerate(LLAMA_ROUTER_MODELS, start=1):
+        write_tiny_gguf("llama-server", models_dir / f"{name}.gguf", seed)
+    for name in broken:
+        (models_dir / f"{name}.gguf").write_bytes(b"GGUF but not really" * 64)
+    port = free_port()
+    argv = [
+        str(llama_server_binary()), "--models-dir", str(models_dir), "--models-max", str(models_max),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", "1", "--ctx-size", str(N_CTX), "--n-gpu-layers", "0",
+        "--threads", str(threads), "--threads-batch", str(threads), "--no-webui",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    proc = _child("llama-router", argv, env, work)
+    proc.start()
+    return _ready(RealServer("llama-server", proc, port, {name: name for name in LLAMA_ROUTER_MODELS}), "/health")
+
+
 def _ready(server: RealServer, health_path: str) -> RealServer:
     """``server`` once ``health_path`` answers; stopped if it never does."""
     try:
