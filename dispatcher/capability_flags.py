@@ -6,9 +6,9 @@ through ``workers/adapters/model_runtime.py``, and pull and delete are never iop
 |------------|------|------|--------|------|--------|
 | ollama     | yes  | yes  | yes    | yes  | yes    |
 | lemonade   | yes  | yes  | yes    | yes  | yes    |
-| vllm       | yes  | yes  | yes    | no   | no     |
+| vllm       | yes  | *    | *      | no   | no     |
 | sglang     | yes  | no   | no     | no   | no     |
-| llamacpp   | yes  | yes  | yes    | no   | no     |
+| llamacpp   | yes  | *    | *      | no   | no     |
 | openai_api | yes  | no   | no     | no   | no     |
 | cli        | no   | no   | no     | no   | no     |
 
@@ -21,9 +21,9 @@ only to the Hugging Face cache, not to the ``--models-dir`` it serves); started 
 ``--model`` it serves that file alone. vLLM in sleep mode (``--enable-sleep-mode``,
 ``VLLM_SERVER_DEV_MODE=1``) unloads its one model to sleep and loads it again on
 ``/wake_up``; without it, it serves the model it was launched with, as SGLang does
-(``update_weights`` swaps the weights of that model in place). Both flags are the type's,
-as the config cannot tell a router or a sleep mode: such a provider says
-``lifecycle: managed``. A hosted OpenAI-style API's catalog is read-only to its callers. A
+(``update_weights`` swaps the weights of that model in place). *: the config cannot tell a
+router or a sleep mode from the type, so those two say load and unload only for a provider
+that says ``lifecycle: managed``. A hosted OpenAI-style API's catalog is read-only to its callers. A
 cli provider is a command: it serves what its config says and reports nothing.
 """
 
@@ -47,13 +47,21 @@ _LOADS = LifecycleFlags(list_models=True, load_model=True, unload_model=True)
 FLAGS: dict[str, LifecycleFlags] = {
     "ollama": _ALL,
     "lemonade": _ALL,
-    "vllm": _LOADS,
+    "vllm": _LIST_ONLY,
     "sglang": _LIST_ONLY,
-    "llamacpp": _LOADS,
+    "llamacpp": _LIST_ONLY,
     "openai_api": _LIST_ONLY,
     "cli": LifecycleFlags(),
 }
 
 
-def flags_for(provider_type: str) -> LifecycleFlags:
-    return FLAGS.get(provider_type, LifecycleFlags())
+# The types that load and unload only in a mode the config declares (``lifecycle: managed``).
+_IN_MODE = frozenset({"vllm", "llamacpp"})
+
+
+def flags_for(provider_type: str, managed: bool = False) -> LifecycleFlags:
+    """A type's flags; ``managed``: its provider says ``lifecycle: managed``."""
+    flags = FLAGS.get(provider_type, LifecycleFlags())
+    if managed and provider_type in _IN_MODE:
+        return _LOADS
+    return flags

@@ -554,7 +554,7 @@ def _provider_view(
         missing_models=missing,
         loaded_models=_json_list(fields.get("loaded_models")),
         queued=sum(queued[g] for g in groups),
-        lifecycle_capabilities=flags_for(prov.type),
+        lifecycle_capabilities=flags_for(prov.type, prov.manages_models),
         heartbeat_age_ms=max(now - int(hb_ms), 0) if hb_ms else None,
         model_groups=groups,
         endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),

@@ -60,7 +60,7 @@ async def _call(session: aiohttp.ClientSession, prov: ProviderConfig, method: st
 
 async def probe(prov: ProviderConfig, delete: bool = False, timeout_s: float = 5.0) -> dict[str, LifecycleCheck]:
     """Each action of ``prov``: declared (its type's flag) and verified by its safe call."""
-    flags = flags_for(prov.type)
+    flags = flags_for(prov.type, prov.manages_models)
     routes = ROUTES.get(prov.type, {})
     out: dict[str, LifecycleCheck] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:

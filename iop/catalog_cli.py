@@ -86,7 +86,8 @@ def load_lines(p: dict[str, Any]) -> list[str]:
 
 def lifecycle_lines(p: dict[str, Any]) -> list[str]:
     """A managed provider's models (docs/PROVIDERS.md "Models that load and unload"): how many
-    it holds of how many it may, the load under way, each model's loads and failed loads."""
+    it holds of how many it may, the load under way, then each model's state in its runtime,
+    its loads and its failed loads, a line each."""
     if p.get("lifecycle") != "managed":
         return []
     states = p.get("models_state") or {}
@@ -96,7 +97,7 @@ def lifecycle_lines(p: dict[str, Any]) -> list[str]:
         head += f"; loading {p['loading']}"
     lines = [head]
     for m, s in states.items():
-        parts = []
+        parts = [s["state"]]
         if s.get("load_s") is not None:
             parts.append(f"loads take {s['load_s']:.1f} s")
         loads = s.get("loads") or {}
@@ -104,8 +105,7 @@ def lifecycle_lines(p: dict[str, Any]) -> list[str]:
             parts.append("loaded " + ", ".join(f"{n}x by {why}" for why, n in sorted(loads.items())))
         if s.get("failure"):
             parts.append(f"last load failed: {s['failure']}")
-        if parts:
-            lines.append(f"{m}: " + "; ".join(parts))
+        lines.append(f"{m}: " + "; ".join(parts))
     return lines
 
 
@@ -185,8 +185,6 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             p = providers[pid]
             ratio = "-" if p["load_ratio"] is None else f"{p['load_ratio']:.2f}"
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
-            if p.get("lifecycle") == "managed":  # what its runtime holds, each model's state
-                models = ", ".join(f"{m} [{s['state']}]" for m, s in p["models_state"].items())
             # An operator's drain shows beside the probe's health: ``available (draining)``.
             health = p["health"] + (f" ({p['drain']})" if p.get("drain") else "")
             # The share of its prompt tokens it served from its prefix cache, where it says.

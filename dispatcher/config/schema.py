@@ -313,12 +313,10 @@ class ModelConfig(_Base, frozen=True):
     affinity: AffinityConfig = AffinityConfig()
 
 
-# The provider types whose runtimes load and unload models at run time, and so whose models
-# iop manages unless the config says ``lifecycle: static`` (docs/PROVIDERS.md "Models that
-# load and unload"). llama.cpp's llama-server does only in router mode (``--models-dir``),
-# which its config cannot show: a ``llamacpp`` provider in router mode says
-# ``lifecycle: managed``. vLLM's sleep mode likewise (``/sleep``, ``/wake_up``).
-MANAGED_TYPES = frozenset({"ollama", "lemonade"})
+# The provider types whose runtimes can load and unload models at run time, which iop then
+# manages where the config says ``lifecycle: managed`` (docs/PROVIDERS.md "Models that load
+# and unload"): Ollama, Lemonade, llama.cpp's llama-server in router mode (``--models-dir``),
+# vLLM in sleep mode (``/sleep``, ``/wake_up``).
 LIFECYCLE_TYPES = frozenset({"ollama", "lemonade", "llamacpp", "vllm"})
 
 # The bounds of ``capacity: auto`` when the config names none.
@@ -350,9 +348,11 @@ class ProviderConfig(_Base, frozen=True):
     # Models that load and unload (docs/PROVIDERS.md): ``managed``, iop reads which of its
     # models the runtime holds, sends a request only where its model is loaded (warm first)
     # and loads and unloads models through the runtime's API as demand moves (lua/lib/place.lua);
-    # ``static``, every model of ``models`` is always ready. Unset: managed for the types of
-    # MANAGED_TYPES.
-    lifecycle: Literal["managed", "static"] | None = None
+    # ``static`` (the default), every model of ``models`` is always ready. Not the default for
+    # any type: a runtime left to hold several models by itself (Ollama's
+    # OLLAMA_MAX_LOADED_MODELS) would be held to max_loaded, and one that does not list a
+    # served name would never be sent it.
+    lifecycle: Literal["managed", "static"] = "static"
     # Models it holds at once; unset: what its runtime says (llama.cpp's --models-max), else 1.
     max_loaded: Annotated[int, POSITIVE] | None = None
     # The expected time to load one of its models, until iop has timed one there.
@@ -372,9 +372,7 @@ class ProviderConfig(_Base, frozen=True):
     @property
     def manages_models(self) -> bool:
         """Whether iop manages which of its models are loaded (``lifecycle``)."""
-        if self.lifecycle is not None:
-            return self.lifecycle == "managed"
-        return self.type in MANAGED_TYPES
+        return self.lifecycle == "managed"
 
     @property
     def auto(self) -> bool:

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from dispatcher import catalog, keys
 from dispatcher import config as cfg
-from dispatcher.capability_flags import LifecycleFlags
+from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.catalog import Catalog, ProviderView, read_catalog
 from dispatcher.endpoints import DEFAULT_ENDPOINTS
 from dispatcher.plans import Plans
@@ -94,8 +94,8 @@ async def test_available_provider_has_every_field(h: Harness) -> None:
     assert up.missing_models == ["tiny-up"]  # configured, but the provider does not offer it
     assert up.loaded_models is None
     assert up.queued == 0
-    # vLLM's sleep mode unloads and loads its one model; it neither pulls nor deletes.
-    assert up.lifecycle_capabilities == LifecycleFlags(list_models=True, load_model=True, unload_model=True)
+    # vLLM loads and unloads only in sleep mode, which its config declares (lifecycle: managed).
+    assert up.lifecycle_capabilities == LifecycleFlags(list_models=True)
     assert up.heartbeat_age_ms is not None
     assert 0 <= up.heartbeat_age_ms < 10_000
     assert up.model_groups == ["qwen", "tiny"]
@@ -242,8 +242,8 @@ async def test_slots_hint_is_shown_beside_the_capacity(h: Harness) -> None:
     llama = providers["llama"]
     assert (llama.type, llama.category) == ("llamacpp", "local_inference")
     assert (llama.capacity, llama.slots) == (4, 8)
-    # llama-server's router mode loads and unloads the GGUFs of its --models-dir.
-    assert llama.lifecycle_capabilities == LifecycleFlags(list_models=True, load_model=True, unload_model=True)
+    # llama-server loads and unloads only in router mode, which its config declares.
+    assert llama.lifecycle_capabilities == LifecycleFlags(list_models=True)
     assert llama.endpoints == list(DEFAULT_ENDPOINTS["llamacpp"])
     # A hint only: the free slots of its group follow the capacity.
     local = next(m for m in doc.models if m.id == "local")
@@ -446,3 +446,10 @@ async def test_what_a_config_implies_is_built_once_per_config(h: Harness, monkey
     await read_catalog(h.redis, other)
     assert len(built) == 2
     assert built[1] is other
+
+
+def test_a_managed_router_or_sleeping_vllm_says_it_loads_and_unloads() -> None:
+    loads = LifecycleFlags(list_models=True, load_model=True, unload_model=True)
+    assert flags_for("llamacpp", managed=True) == flags_for("vllm", managed=True) == loads
+    assert flags_for("sglang", managed=True) == LifecycleFlags(list_models=True)
+    assert flags_for("ollama") == flags_for("ollama", managed=True)

@@ -105,7 +105,7 @@ CONFIG = {
         ]},
         {"id": "n2", "providers": [
             {"id": "c", "type": "ollama", "base_url": "http://127.0.0.1:3", "capacity": 1,
-             "models": ["m1@c", "m2@c"]},
+             "models": ["m1@c", "m2@c"], "lifecycle": "managed"},
         ]},
     ],
     "models": [
@@ -325,8 +325,8 @@ class Scenario:
         # A worker publishes what it learned of c's load (lua/capacity.lua).
         self.note("capacity c", await self.n2.publish_capacity(
             "c", wire.CapacityReport(capacity=2, mode="auto", external=1, reason="test", moved=True)))
-        # c's worker reads what its runtime holds (lua/models.lua: c is an ollama, whose models
-        # iop manages), then reports a load's end (lua/load_done.lua); each pumps c's lanes.
+        # c's worker reads what its runtime holds (lua/models.lua: c's models iop manages), then
+        # reports a load's end (lua/load_done.lua); each pumps c's lanes.
         c = next(p for _, p in self.config.providers() if p.id == "c")
         held = RuntimeModels(states={"m1@c": "loaded", "m2@c": "unloaded"}, max_loaded=1)
         self.note("models c", await h.calls.models("c", report_of(self.config, c, held)))

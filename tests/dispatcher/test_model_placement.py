@@ -25,12 +25,12 @@ pytestmark = pytest.mark.anyio
 def swap_config(providers: dict[str, int], models: list[str], *, max_loaded: int = 1, load_s: float = 5.0,
                 idle_s: float = 0.0, static: tuple[str, ...] = ()) -> cfg.Config:
     """Providers (id -> capacity) on node n1, each serving every model (as the model's own
-    name), managed (type ollama) unless named in ``static``."""
+    name), managed (type ollama, ``lifecycle: managed``) unless named in ``static``."""
     return cfg.parse({
         "nodes": [{"id": "n1", "providers": [
             {"id": pid, "type": "ollama", "base_url": "http://127.0.0.1:1", "capacity": cap, "models": models,
              "max_loaded": max_loaded, "load_s": load_s, "unload_idle_s": idle_s,
-             **({"lifecycle": "static"} if pid in static else {})}
+             "lifecycle": "static" if pid in static else "managed"}
             for pid, cap in providers.items()
         ]}],
         "models": [{"id": m, "providers": {pid: m for pid in providers}} for m in models],

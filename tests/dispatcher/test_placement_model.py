@@ -66,7 +66,8 @@ SEEN: Counter[str] = Counter()
 
 def world() -> cfg.Config:
     providers = [
-        {"id": pid, "type": "ollama", "base_url": "http://127.0.0.1:1", "models": list(MODELS), "load_s": 5,
+        {"id": pid, "type": "ollama", "lifecycle": "managed", "base_url": "http://127.0.0.1:1", "models": list(MODELS),
+         "load_s": 5,
          **opts} for pid, opts in MANAGED.items()
     ] + [{"id": "c", "type": "vllm", "base_url": "http://127.0.0.1:1", "capacity": 1, "models": ["m1"]}]
     return cfg.parse({

@@ -38,7 +38,7 @@ def loads(system: System, reason: str) -> int:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[System]:
     sys_ = System(tmp_path_factory.mktemp("lifecycle"), redis_server)
-    managed = {"max_loaded": 1, "load_s": LOAD_MS / 1000, "unload_idle_s": 0.5}
+    managed = {"lifecycle": "managed", "max_loaded": 1, "load_s": LOAD_MS / 1000, "unload_idle_s": 0.5}
     sys_.write_config({
         "dispatch": fast_dispatch(lease_ms=5000),
         "queue": {"max_queue": 100, "queue_timeout_ms": 60_000},
