@@ -101,8 +101,7 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         ]
         spec = wire.LaneSpec(
             model=lane.model, name=lane.name, queue=pos(lane.queue), band=lane.band if fair else 0,
-            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands,
-            managed=any(c.managed for c in cands))
+            hold_ms=config.hold_when_unavailable_ms(model), candidates=cands)
         aff = model.affinity
         if aff.mode != "off":
             spec = msgspec.structs.replace(
@@ -117,7 +116,7 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
         specs.append((lane.queue, spec))
     only = specs[0][1] if len(specs) == 1 else None
     stats = pos(keys.AFFINITY_STATS) if any(spec.load_bound for _, spec in specs) else 0
-    copies = pos(keys.MODEL_COPIES) if any(spec.managed for _, spec in specs) else 0
+    copies = pos(keys.MODEL_COPIES) if any(c.managed for _, spec in specs for c in spec.candidates) else 0
     ej = config.ejection
     ejection = wire.Ejection(consecutive=ej.consecutive_5xx, rate=ej.failure_rate, window_ms=ej.window_s * 1000,
                              min_requests=ej.min_requests, base_ms=round(ej.base_s * 1000),

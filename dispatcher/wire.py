@@ -104,8 +104,6 @@ class LaneSpec(msgspec.Struct, frozen=True):
     look_ahead: int = 0
     max_wait_ms: int = 0
     home_queue: float = 0.0  # a home takes its prompts up to capacity x (1 + this)
-    # One of its candidates is managed: a head none can take may place a load (lua/lib/place.lua).
-    managed: bool = False
 
 
 class Ejection(msgspec.Struct, frozen=True):
@@ -144,8 +142,9 @@ class PlanHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     only: LaneSpec | None = None
     # What a finish's evidence of a 5xx may do to a provider (lua/lib/blame.lua).
     ejection: Ejection | None = None
-    # Models that load and unload (a lane with a managed candidate): model id -> the providers
-    # whose runtime holds it loaded, ',a,b,' (lua/lib/copies.lua).
+    # Models that load and unload (some lane has a managed candidate): model id -> the providers
+    # whose runtime holds it loaded, ',a,b,' (lua/lib/copies.lua). Set: a lane head none of
+    # whose candidates can take it may place a load (lua/lib/place.lua).
     copies: int = 0
 
 

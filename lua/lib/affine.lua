@@ -27,7 +27,7 @@ local function affine(ctx, lane, rec, default, patient)
   local eligible, total_inf, total_cap = {}, 0, 0
   for _, cand in ipairs(lane.candidates) do
     local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
-    if usable(ctx, lane, s) and warm(ctx, cand) and serves(cand, rec) and not excluded(rec, cand.provider) then
+    if usable(ctx, lane, s) and (not cand.managed or warm(ctx, cand)) and serves(cand, rec) and not excluded(rec, cand.provider) then
       eligible[cand.provider] = cand
       total_inf, total_cap = total_inf + s.inf, total_cap + s.cap
     end

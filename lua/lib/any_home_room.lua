@@ -12,7 +12,7 @@ local function any_home_room(ctx, lane)
   if lane.home_queue <= 0 then return nil end
   for _, cand in ipairs(lane.candidates) do
     local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
-    if usable(ctx, lane, s) and warm(ctx, cand) and home_room(lane, s, nil, ctx.now) then return cand end
+    if usable(ctx, lane, s) and (not cand.managed or warm(ctx, cand)) and home_room(lane, s, nil, ctx.now) then return cand end
   end
   return nil
 end

@@ -6,8 +6,9 @@
 -- head {lane, job, score, i}; nil: to be read (a submit's arriving job first, ctx.arriving:
 -- it is its lane's only one); false: nothing more this call (empty, or no
 -- free provider may take its jobs). A head held for its busy home keeps the slot from the
--- lanes of later bands (ctx.held_band). A lane of a model iop loads and unloads whose head
--- found no provider holding it loaded with a free slot may place a load (lib/place.lua).
+-- lanes of later bands (ctx.held_band). In a plan with models iop loads and unloads (its
+-- header's `copies`), a head that found no provider holding its model loaded with a free
+-- slot may place a load (lib/place.lua).
 --!include lib/pick.lua
 --!include lib/place.lua
 --!include lib/any_home_room.lua
@@ -34,7 +35,7 @@ local function next_head(ctx, lanes)
     if h then
       local cand = pick(ctx, lane, nil) or any_home_room(ctx, lane)
       if cand == nil then
-        if lane.managed then place(ctx, lane) end
+        if PLAN.copies then place(ctx, lane) end
         heads[i] = false  -- a dispatch only fills providers: none frees up this call
       elseif best == nil or before(h, best) then
         best, best_cand = h, cand

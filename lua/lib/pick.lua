@@ -15,7 +15,7 @@ local function pick(ctx, lane, rec)
   local best, bs
   for _, cand in ipairs(lane.candidates) do
     local s = provider_state(ctx, KEYS[BASE + cand.provider_key])
-    if s.inf < s.cap and usable(ctx, lane, s) and warm(ctx, cand)
+    if s.inf < s.cap and usable(ctx, lane, s) and (not cand.managed or warm(ctx, cand))
        and (rec == nil or (serves(cand, rec) and not excluded(rec, cand.provider))) then
       if best == nil then
         best, bs = cand, s
