@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -45,6 +44,7 @@ from dispatcher.worker_side import WorkerSide
 from workers.adapters.probes import lacks_health
 from workers.capacity import CallSample, FirstTokens, LimitController, RateLimits
 from workers.engine_metrics import SOURCES, EngineLoad, EngineMetrics
+from workers.provider_loops import ProviderLoops
 from workers.runtime import NodeRuntime, ProviderAdapters
 
 log = logging.getLogger("iop.worker")
@@ -83,20 +83,16 @@ class ProviderLoad:
         return self.rate_limits.limit(learned)
 
 
-class CapacityControl:
+class CapacityControl(ProviderLoops):
     """Reads and publishes the load of ``runtime().node``'s providers (workers/capacity.py)."""
 
     def __init__(self, runtime: Callable[[], NodeRuntime], adapters: ProviderAdapters, side: WorkerSide,
                  redis: Redis) -> None:
-        self._runtime = runtime
+        super().__init__(runtime)
         self._adapters = adapters
         self._side = side
         self._redis = redis
         self.loads: dict[str, ProviderLoad] = {}
-        self._tg: TaskGroup | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._scopes: dict[str, anyio.CancelScope] = {}
-        self._stopped = False
 
     # --- what others ask -------------------------------------------------------------------
 
@@ -151,34 +147,7 @@ class CapacityControl:
 
     # --- the loops ---------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        self._scope = anyio.CancelScope()
-        if self._stopped:
-            self._scope.cancel()
-        with self._scope:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                for provider in self._runtime().node.providers:
-                    self.start(provider.id)
-                await anyio.sleep_forever()
-
-    def stop(self) -> None:
-        self._stopped = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    def start(self, provider_id: str) -> None:
-        """Read and publish a provider (one a reload added or changed: afresh)."""
-        if self._tg is None:
-            return
-        self.forget(provider_id)
-        self._scopes[provider_id] = scope = anyio.CancelScope()
-        self._tg.start_soon(self._loop, provider_id, scope)
-
-    def forget(self, provider_id: str) -> None:
-        scope = self._scopes.pop(provider_id, None)
-        if scope is not None:
-            scope.cancel()
+    def _forgotten(self, provider_id: str) -> None:
         self.loads.pop(provider_id, None)
 
     async def _loop(self, provider_id: str, scope: anyio.CancelScope) -> None:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 import anyio
-from anyio.abc import TaskGroup
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -32,6 +31,7 @@ from dispatcher import keys, wire
 from dispatcher.config import Config, DispatchConfig, ProviderConfig
 from dispatcher.exceptions import IopError
 from workers.adapters.model_runtime import ModelRuntime, RuntimeModels, model_runtime
+from workers.provider_loops import ProviderLoops
 from workers.runtime import NodeRuntime, ProviderAdapters
 
 log = logging.getLogger("iop.worker.models")
@@ -82,54 +82,22 @@ def report_of(config: Config, provider: ProviderConfig, seen: RuntimeModels) -> 
         timeout_ms=round(provider.load_timeout_s * 1000))
 
 
-class ModelLifecycle:
+class ModelLifecycle(ProviderLoops):
     """Reads, publishes and loads the models of ``runtime().node``'s managed providers."""
 
     def __init__(self, runtime: Callable[[], NodeRuntime], adapters: ProviderAdapters, redis: Redis,
                  worker_id: str, dispatch: DispatchConfig,
                  runtime_for: Callable[[ProviderConfig, ProviderAdapters], ModelRuntime | None] | None = None) -> None:
-        self._runtime = runtime
+        super().__init__(runtime)
         self._adapters = adapters
         self._redis = redis
         self._worker_id = worker_id
         self._read_s = dispatch.probe_interval_ms / 1000
         self._runtime_for = runtime_for or _runtime_for
-        self._tg: TaskGroup | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._scopes: dict[str, anyio.CancelScope] = {}
-        self._stopped = False
 
-    async def run(self) -> None:
-        self._scope = anyio.CancelScope()
-        if self._stopped:
-            self._scope.cancel()
-        with self._scope:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                for provider in self._runtime().node.providers:
-                    self.start(provider.id)
-                await anyio.sleep_forever()
-
-    def stop(self) -> None:
-        self._stopped = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    def start(self, provider_id: str) -> None:
-        """Manage a provider's models (one a reload added or changed: afresh); nothing for a
-        provider whose models iop does not manage."""
-        self.forget(provider_id)
-        provider = self._runtime().provider(provider_id)
-        if self._tg is None or provider is None or not provider.manages_models:
-            return
-        self._scopes[provider_id] = scope = anyio.CancelScope()
-        self._tg.start_soon(self._loop, provider_id, scope)
-
-    def forget(self, provider_id: str) -> None:
-        """Stop managing it. A load under way is abandoned; its order lapses at its timeout."""
-        scope = self._scopes.pop(provider_id, None)
-        if scope is not None:
-            scope.cancel()
+    def wants(self, provider: ProviderConfig) -> bool:
+        """Only a provider whose models iop manages (``lifecycle: managed``)."""
+        return provider.manages_models
 
     async def _loop(self, provider_id: str, scope: anyio.CancelScope) -> None:
         with scope:

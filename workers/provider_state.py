@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -32,12 +31,13 @@ from dispatcher.exceptions import ProviderError
 from dispatcher.worker_side import WorkerSide
 from workers.adapters.base import ProbeResult
 from workers.leases import Runs
+from workers.provider_loops import ProviderLoops
 from workers.runtime import NodeRuntime, ProviderAdapters
 
 log = logging.getLogger("iop.worker")
 
 
-class ProviderState:
+class ProviderState(ProviderLoops):
     """Probes and heartbeats the providers of ``runtime().node`` (the current config's).
 
     ``runs``: this worker's jobs (a provider running one is busy); ``redis``: where its
@@ -48,7 +48,7 @@ class ProviderState:
                  side: WorkerSide, redis: Redis, dispatch: DispatchConfig, worker_id: str,
                  capacity_of: Callable[[ProviderConfig], int] | None = None,
                  on_back: Callable[[str, int | None], None] | None = None) -> None:
-        self._runtime = runtime
+        super().__init__(runtime)
         # Told when a provider this worker saw down is available again, with its slots when
         # they are not the ones it reported before (a learned capacity starts over:
         # workers/capacity_control.py provider_back).
@@ -67,44 +67,12 @@ class ProviderState:
         self._failed_by_call: set[str] = set()
         self._next_probe: dict[str, float] = {}
         self._next_busy_probe: dict[str, float] = {}
-        self._stopped = False
-        self._scope: anyio.CancelScope | None = None
-        self._tg: TaskGroup | None = None
-        self._scopes: dict[str, anyio.CancelScope] = {}
         self._wake: dict[str, anyio.Event] = {}
 
     # --- the loops --------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """A loop for each provider of the node, until :meth:`stop`; a reload may start more."""
-        self._scope = anyio.CancelScope()
-        if self._stopped:
-            self._scope.cancel()
-        with self._scope:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                for provider in self._runtime().node.providers:
-                    self.start(provider.id)
-                await anyio.sleep_forever()
-
-    def stop(self) -> None:
-        """No more probes nor heartbeats (the worker shuts down)."""
-        self._stopped = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    def start(self, provider_id: str) -> None:
-        """Probe and publish a provider (one a reload added: at once)."""
-        if self._tg is None:
-            return
-        self._scopes[provider_id] = scope = anyio.CancelScope()
-        self._tg.start_soon(self._loop, provider_id, scope)
-
-    def forget(self, provider_id: str) -> None:
-        """A reload removed the provider: its loop ends and nothing of it is kept."""
-        scope = self._scopes.pop(provider_id, None)
-        if scope is not None:
-            scope.cancel()
+    def _forgotten(self, provider_id: str) -> None:
+        """A reload removed the provider: nothing of it is kept."""
         self.health.pop(provider_id, None)
         self._slots.pop(provider_id, None)
         self._failed_by_call.discard(provider_id)
