@@ -62,8 +62,9 @@ for i, provider in ipairs(ARGV) do
       fixed[#fixed + 1] = old
       fixed[#fixed + 1] = new
     end
-    -- Models' running counts: every one the hash has, and every one a lease says.
-    local flat = redis.call('HGETALL', key)
+    -- Models' running counts: every one the hash has, and every one a lease says; only for a
+    -- provider whose models iop manages (its worker writes max_loaded: lua/models.lua).
+    local flat = redis.call('HEXISTS', key, 'max_loaded') == 1 and redis.call('HGETALL', key) or {}
     local want_mr = {}
     for field, n in pairs(running) do
       if string.sub(field, 1, #provider + 1) == provider .. '\t' then want_mr[string.sub(field, #provider + 2)] = n end
