@@ -9,7 +9,8 @@ request's tenant (``dispatcher/tenants.py`` holds what a tenant may do). Admin k
 admin keys the operator surfaces take the caller keys; with neither, everything is open.
 ``/healthz`` and ``/readyz`` are always open.
 
-Runtime control (drain, resume: ``api/control.py``) is stricter, because it acts on the
+Admin keys may be named, ``name:key``: the audit of control actions names who acted by it
+(``KeyGuard.name_of``). Runtime control (drain, overrides: ``api/control.py``) is stricter, because it acts on the
 whole fleet: the admin keys decide, from anywhere; without them a caller key never
 suffices, and an API without any key answers only clients on this machine's loopback --
 Redis's protected mode. The peer is the socket's, never ``X-Forwarded-For``: a header is
@@ -24,6 +25,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,12 +105,39 @@ def load_keys(env_name: str | None) -> list[bytes] | None:
     return [k.strip().encode() for k in os.environ.get(env_name, "").split(",") if k.strip()]
 
 
+_KEY_NAME = re.compile(r"^([A-Za-z0-9_.-]{1,64}):(.+)$")
+
+
+def named_keys(entries: list[bytes]) -> tuple[list[bytes], dict[bytes, str]]:
+    """Admin keys as ``api.admin_keys_env`` lists them -- ``name:key``, or a bare key -- and
+    the name the audit log gives each (a bare key's: ``key-`` and the first 8 hex digits of
+    its sha256, which names it without giving it away)."""
+    keys: list[bytes] = []
+    names: dict[bytes, str] = {}
+    for entry in entries:
+        m = _KEY_NAME.match(entry.decode(errors="replace"))
+        key = m.group(2).encode() if m else entry
+        keys.append(key)
+        names[key] = m.group(1) if m else f"key-{hashlib.sha256(key).hexdigest()[:8]}"
+    return keys, names
+
+
 class KeyGuard:
     """The operator surfaces' guard: the admin keys, or else any caller key."""
 
     def __init__(self, keys: list[bytes] | None, callers: CallerKeys | None = None) -> None:
-        self.keys = keys
+        self.keys: list[bytes] | None = None
+        self.names: dict[bytes, str] = {}
+        if keys is not None:
+            self.keys, self.names = named_keys(keys)
         self.callers = callers
+
+    def name_of(self, headers: Mapping[str, str]) -> str:
+        """Who a control call is, for the audit log: its admin key's name (never the key),
+        or ``loopback`` on an API without admin keys (only loopback clients get that far)."""
+        if self.keys is None:
+            return "loopback"
+        return self.names.get(presented_key(headers), "unknown")
 
     # Async on purpose: Litestar runs a sync guard in a worker thread, which cost a fifth
     # of the API's CPU per request.
@@ -137,15 +166,15 @@ class KeyGuard:
             return
         if self.callers is not None and not self.callers.open:
             raise AdminKeyRequired(
-                "Draining and resuming providers needs an admin key, and a caller key never is one: "
+                "Runtime control (drain, resume, overrides, loads) needs an admin key, and a caller key never is one: "
                 "set api.admin_keys_env to an environment variable holding comma-separated admin keys"
             )
         if not is_loopback(peer):
             raise AdminKeyRequired(
-                f"Draining and resuming providers from {peer or 'an unknown address'} needs an admin key: without "
-                "admin keys only clients on this machine's loopback (127.0.0.1, ::1) may, and a load balancer "
-                "in front counts as a remote client. Set api.admin_keys_env to an environment variable holding "
-                "comma-separated admin keys, and send one as Authorization: Bearer <key>"
+                f"Runtime control (drain, resume, overrides, loads) from {peer or 'an unknown address'} needs an "
+                "admin key: without admin keys only clients on this machine's loopback (127.0.0.1, ::1) may, "
+                "and a load balancer in front counts as a remote client. Set api.admin_keys_env to an environment "
+                "variable holding comma-separated admin keys, and send one as Authorization: Bearer <key>"
             )
 
 

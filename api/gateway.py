@@ -22,8 +22,10 @@ from api.metrics import RequestMetrics
 from api.runtime import Runtime
 from api.stream_slots import StreamSlots
 from api.waiting import ReplyReader
-from dispatcher import keys, tracing
-from dispatcher.config import Config
+from dispatcher import keys, overrides, tracing
+from dispatcher.config import Config, config_digest
+from dispatcher.control import Control, audit_once
+from dispatcher.overrides import OverrideWatch
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.reloading import describe_changes, reread
@@ -44,7 +46,11 @@ class Gateway:
         self.replies = ReplyReader(self.clients.blocking, keys.reply(self.replica_id))
         self.metrics = RequestMetrics()
         self.streams = StreamSlots(config.api.max_streams)
+        # The file's config, as loaded or last reloaded; the runtime runs it with the
+        # operators' overrides applied (dispatcher/overrides.py), which the watch keeps up.
+        self.file_config = config
         self.runtime = Runtime.build(config, self.scripts, self.redis, self.replica_id)
+        self.overrides = OverrideWatch(self.redis, self._apply_overrides, self._lapse)
         self.reaper = Reaper(self.runtime.calls, self.redis, self.replica_id)
         self._tasks: set[asyncio.Task[Any]] = set()
         # Job ids: a random prefix per process and a counter, unique without a syscall each.
@@ -69,11 +75,14 @@ class Gateway:
         if self.config_path is None:
             log.warning("reload: this API process was not started from a config file")
             return False
-        new = reread(self.config_path, self.config)
+        new = reread(self.config_path, self.file_config)
         if new is None:
             return False
-        before = self.config
-        self._use(Runtime.build(new, self.scripts, self.redis, self.replica_id))
+        before = self.file_config
+        self.file_config = new
+        self._use(Runtime.build(overrides.effective(new, self.overrides.snapshot), self.scripts, self.redis,
+                                self.replica_id))
+        await self._after_reload(before, new)
         if self.runtime.tenants.flow_control:
             try:
                 await self.publish_limits()
@@ -81,6 +90,30 @@ class Gateway:
                 log.warning("reload: could not publish the tenants' limits: %s", exc)
         log.info("reload: %s applied (%s)", self.config_path, describe_changes(before, new))
         return True
+
+    async def _after_reload(self, before: Config, new: Config) -> None:
+        """Drop the overrides the new file no longer fits, and audit the reload (once for the
+        fleet: every process reloads the same file)."""
+        control = Control(self.runtime.calls, self.redis, new)
+        try:
+            # Read now, not the watch's last snapshot: one set just before the reload counts too.
+            await control.drop_stale(await overrides.read(self.redis))
+            changes = describe_changes(before, new)
+            if before != new:
+                await audit_once(self.runtime.calls, "reload", "config", config_digest(before), {
+                    "digest": config_digest(new), "changes": changes}, "iop", "reload", once_digest=config_digest(new))
+        except RedisError as exc:
+            log.warning("reload: overrides not checked against the new file, nor the reload audited: %s", exc)
+
+    async def _apply_overrides(self, snapshot: overrides.Snapshot) -> None:
+        """Run the file's config with ``snapshot`` applied, if that changes what it is."""
+        config = overrides.effective(self.file_config, snapshot)
+        if config != self.runtime.config:
+            self._use(Runtime.build(config, self.scripts, self.redis, self.replica_id))
+            log.info("overrides applied (version %d)", snapshot.version)
+
+    async def _lapse(self, name: overrides.Field, target_id: str) -> None:
+        await Control(self.runtime.calls, self.redis, self.file_config).lapse(name, target_id)
 
     def next_job_id(self) -> str:
         return f"{self._job_prefix}{next(self._job_counter):x}"
@@ -108,6 +141,7 @@ class Gateway:
             await self.runtime.jobs.heartbeat()
             if self.runtime.tenants.flow_control:
                 await self.publish_limits()
+            await self.overrides.start()
         except RedisError as exc:
             # Not fatal: /readyz says so, and requests answer 503 until Redis is back.
             log.warning("Redis not reachable at start-up: %s", exc)
@@ -115,6 +149,7 @@ class Gateway:
             asyncio.create_task(self.replies.run(), name="iop-replies"),
             asyncio.create_task(self._heartbeat_loop(), name="iop-replica-heartbeat"),
             asyncio.create_task(self.reaper.run_forever(), name="iop-reaper"),
+            asyncio.create_task(self.overrides.run(), name="iop-overrides"),
         ]
         tracing.setup(self.config, "api")
         log.info("API replica %s started", self.replica_id)

@@ -169,6 +169,11 @@ class _CatalogCollector(Collector):
                                      labels=labels)
         draining = GaugeMetricFamily("iop_provider_draining",
                                      "1 while an operator's drain keeps new jobs off the provider", labels=labels)
+        disabled = GaugeMetricFamily("iop_provider_disabled",
+                                     "1 while an operator's override disables the provider", labels=labels)
+        overridden = GaugeMetricFamily("iop_provider_overridden",
+                                       "1 for each of the provider's config values an operator overrides now",
+                                       labels=[*labels, "field"])
         tokens_rate = GaugeMetricFamily("iop_provider_tokens_per_second",
                                         "Completion tokens per second over about the last 10 s, all workers",
                                         labels=labels)
@@ -199,6 +204,9 @@ class _CatalogCollector(Collector):
             up.add_metric(values, 1 if p.health == "available" else 0)
             queued_p.add_metric(values, p.queued)
             draining.add_metric(values, 1 if p.drain else 0)
+            disabled.add_metric(values, 0 if p.enabled else 1)
+            for name in p.override:
+                overridden.add_metric([*values, name], 1)
             tokens_rate.add_metric(values, p.tokens_per_s)
             for state in ("available", "unavailable", "unknown"):
                 health.add_metric([*values, state], 1 if p.health == state else 0)
@@ -225,8 +233,14 @@ class _CatalogCollector(Collector):
         for m in self.catalog.models:
             queued.add_metric([m.id], m.queued)
             oldest.add_metric([m.id], (m.oldest_wait_ms or 0) / 1000)
-        yield from (in_flight, capacity, up, health, queued_p, draining, tokens_rate, ejected, ejections, excused,
-                    learned, external, engine_running, engine_waiting, kv_usage, paused, queued, oldest)
+        actions = CounterMetricFamily("iop_control_actions", "Control actions audited (drain, disable, capacity, "
+                                      "fallbacks, load, reload, ...), fleet-wide: every replica reports the same",
+                                      labels=["action"])
+        for action, n in self.catalog.control_actions.items():
+            actions.add_metric([action], n)
+        yield from (in_flight, capacity, up, health, queued_p, draining, disabled, overridden, tokens_rate, ejected,
+                    ejections, excused, learned, external, engine_running, engine_waiting, kv_usage, paused, queued,
+                    oldest, actions)
         yield from self._affinity()
         yield from self._tenants()
         yield from self._live()

@@ -40,6 +40,7 @@ from api.request_headers import headers_of
 from api.runtime import Runtime
 from dispatcher import keys, qualifications
 from dispatcher.config import QUALIFY_TENANT
+from dispatcher.control import audit_once
 from dispatcher.exceptions import InvalidRequest, ModelNotFound, RedisUnavailable, RequestError
 from dispatcher.lifecycle_probe import probe
 from dispatcher.qualifications import LifecycleCheck, Report
@@ -160,6 +161,11 @@ async def start_run(request: Request[Any, Any, Any], gw: NamedDependency[Gateway
             pipe.pexpire(keys.qualification_run(run.run), qc.max_seconds * 1000 + 60_000)
             pipe.hset(keys.TENANT_LIMITS, QUALIFY_TENANT, share_slots)
             await pipe.execute()
+        # A qualification run loads the model's providers: audited with the other control actions.
+        via = request.headers.get("x-iop-via", "").strip().lower()
+        await audit_once(rt.calls, "qualify", f"model/{model_id}", None,
+                         {"run": run.run, "providers": [p.provider for p in providers], "share_slots": share_slots},
+                         rt.admin.name_of(request.headers), via if via in ("cli", "ui") else "http")
     except RedisError as exc:
         raise RedisUnavailable(f"Redis is unavailable: {exc}") from None
     return Response(msgspec.json.encode(run), status_code=201, media_type="application/json")

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from redis.asyncio import Redis
 
-from dispatcher import keys, wire
+from dispatcher import keys, overrides, wire
 from dispatcher.capability_flags import LifecycleFlags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
@@ -61,6 +61,12 @@ class ProviderView(msgspec.Struct):
     # An operator's drain (dispatcher/control.py): "draining" while jobs still run on it,
     # "drained" once none does; None when open. Health stays the probe's word.
     drain: str | None = None
+    # False while an operator's override disables it (dispatcher/control.py): nothing new
+    # goes there, what runs finishes. Health stays the probe's word, as with a drain.
+    enabled: bool = True
+    # Operators' overrides in force (dispatcher/overrides.py), by field: enabled, capacity,
+    # capacity_bounds. The usual fields show the value in force.
+    override: dict[str, OverrideView] = {}
     # Completion tokens per second over about the last 10 s, fleet-wide (tokens_per_s()).
     tokens_per_s: float = 0.0
     # Prompt tokens of its finished jobs (as its answers' usage said them), and of them those
@@ -98,6 +104,17 @@ class ProviderView(msgspec.Struct):
     models_state: dict[str, wire.ModelState] = {}
     max_loaded: int | None = None
     loading: str | None = None
+
+
+class OverrideView(msgspec.Struct):
+    """An operator's override of one config value: the value in force, the config's, who set
+    it (an admin key's name), when, and when it lapses (UTC ms; None: never)."""
+
+    value: Any
+    config: Any
+    by: str
+    at: int
+    until: int | None
 
 
 class EjectionView(msgspec.Struct):
@@ -181,6 +198,10 @@ class ModelView(msgspec.Struct):
     # Tenants with jobs waiting or running in the group (flow control only), config order.
     tenants: list[TenantUse]
     affinity: AffinityView | None = None
+    # In force: the config's, or an operator's override of it (``override``).
+    fallbacks: list[str] = []
+    preference: list[str] = []
+    override: dict[str, OverrideView] = {}
 
 
 class TenantLimitsView(msgspec.Struct):
@@ -226,6 +247,8 @@ class Catalog(msgspec.Struct):
     nodes: list[NodeView]
     # Flow control only (empty without it: every job is one tenant's, plain FIFO).
     tenants: list[TenantView]
+    # Control actions audited so far (lua/lib/audit.lua), by action, fleet-wide.
+    control_actions: dict[str, int] = {}
 
 
 def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
@@ -235,7 +258,8 @@ def classify(fields: dict[str, str], now_ms: int) -> tuple[str, str]:
     view shows apart (health stays the probe's word). An ejected provider is unavailable,
     saying why and until when (a lane with no other provider that can take work still uses
     it: lua/lib/usable.lua)."""
-    reasons = [(kind, words) for kind, words in wire.provider_health(fields).reasons(now_ms) if kind != "drained"]
+    reasons = [(kind, words) for kind, words in wire.provider_health(fields).reasons(now_ms)
+               if kind not in ("drained", "disabled")]
     if reasons:
         kind, words = reasons[0]
         return ("unknown" if kind in ("never_seen", "stale") else "unavailable"), words
@@ -360,6 +384,20 @@ def _affinity_views(models: list[ModelConfig], blocks: list[int], stats: dict[st
     return views
 
 
+def _overrides(raw: dict[bytes, bytes]) -> dict[str, dict[str, OverrideView]]:
+    """The overrides hash, by target: a provider's id, or ``\\0model\\0`` and a model's id."""
+    out: dict[str, dict[str, OverrideView]] = {}
+    for (name, target_id), rec in overrides.parse(raw).items():
+        where = target_id if overrides.target_of(name) == "provider" else "\0model\0" + target_id
+        out.setdefault(where, {})[name] = OverrideView(rec.value, rec.config, rec.by, rec.at, rec.until)
+    return out
+
+
+def _in_force(overridden: dict[str, OverrideView], name: str, configured: list[str]) -> list[str]:
+    found = overridden.get(name)
+    return [str(v) for v in found.value] if found is not None and isinstance(found.value, list) else configured
+
+
 def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
@@ -385,6 +423,8 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
             pipe.hmget(keys.TENANTS, lay.counter_fields)
         for names in limit_fields:
             pipe.hmget(keys.LIMITS, names)
+        pipe.hgetall(keys.OVERRIDES)
+        pipe.hgetall(keys.AUDIT_COUNTS)
         replies: Iterator[Any] = iter(await pipe.execute())
 
     def take(n: int) -> list[Any]:
@@ -402,6 +442,8 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     counters = _counters(lay.counter_fields, next(replies) if lay.counter_fields else [])
     limit_states = {t.name: wire.tenant_limit_state([None if v is None else v.decode() for v in raw])
                     for t, raw in zip(lay.limited, take(len(lay.limited)), strict=True)}
+    in_force = _overrides(next(replies))
+    actions = {k: int(v) for k, v in sorted(_text(next(replies)).items())}
 
     queued = {m: 0 for m in lay.model_ids}
     head_seq: dict[str, tuple[float, str]] = {}
@@ -426,6 +468,7 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     for (node_id, prov), fields in zip(lay.providers, hashes, strict=True):
         views[prov.id] = _provider_view(node_id, prov, fields, now, lay.groups_of.get(prov.id, []), queued,
                                         histories.get(prov.id, []))
+        views[prov.id].override = in_force.get(prov.id, {})
 
     figures = await read_live(redis, [(pid, m.id) for m in config.models for pid in m.providers if pid in views],
                               {prov.id: h for (_, prov), h in zip(lay.providers, hashes, strict=True)}, now)
@@ -443,12 +486,18 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
         # trial after an ejection takes one request at a time.
         free = sum(max(_slots_now(c.capacity, views[c.provider]) - c.in_flight - views[c.provider].external_load, 0)
                    for c in cands if c.health == "available" and views[c.provider].drain is None
-                   and views[c.provider].rate_limited is None)
+                   and views[c.provider].enabled and views[c.provider].rate_limited is None)
         uses = [TenantUse(t.name, counters.get(f"q:{t.name}:{model.id}", 0), counters.get(f"r:{t.name}:{model.id}", 0))
                 for t in lay.tenants]
         uses = [u for u in uses if u.queued or u.in_flight]
+        # The values in force as the overrides read with the rest say them, not as this
+        # process's config has them yet (it follows within a watch tick).
+        overridden = in_force.get("\0model\0" + model.id, {})
         models.append(ModelView(model.id, model.display_name or model.id, cands, queued[model.id],
-                                oldest.get(model.id), free, uses, affinity_views.get(model.id)))
+                                oldest.get(model.id), free, uses, affinity_views.get(model.id),
+                                fallbacks=list(_in_force(overridden, "fallbacks", model.fallbacks)),
+                                preference=list(_in_force(overridden, "preference", model.preference)),
+                                override=overridden))
     nodes = [NodeView(n.id, [p.id for p in n.providers]) for n in config.nodes]
     reports = await read_nodes(redis, [n.id for n in nodes])
     for node in nodes:
@@ -472,7 +521,7 @@ async def read_catalog(redis: Redis, config: Config) -> Catalog:
     ]
     tenant_views = [v for v in tenant_views
                     if v.name != DEFAULT_TENANT or lay.default_configured or v.queued or v.in_flight]
-    return Catalog(now, list(views.values()), models, nodes, tenant_views)
+    return Catalog(now, list(views.values()), models, nodes, tenant_views, actions)
 
 
 def with_engines(t: Telemetry, providers: list[ProviderView]) -> Telemetry:
@@ -560,6 +609,7 @@ def _provider_view(
         endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),
         slots=_slots(fields.get("slots")),
         drain=drain_state(fields.get("drain"), in_flight),
+        enabled=not fields.get("off"),
         tokens_per_s=window.per_s(now) if (window := wire.token_window(fields)) is not None else 0.0,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,

@@ -11,6 +11,8 @@ Hierarchy::
         ├── ModelNotAllowed         403 model_not_allowed (outside the tenant's allow-list)
         ├── AdminKeyRequired        403 admin_key_required (runtime control, and only caller keys exist)
         ├── ModelNotFound           404 model_not_found
+        ├── ControlConflict         409 control_conflict (a load or unload the provider cannot take now)
+        ├── InvalidOverride         422 invalid_override (a capacity out of its bounds, a fallbacks loop…)
         ├── ResponseNotFound        404 response_not_found (a Responses id iop does not know)
         ├── UnknownProvider         404 provider_not_found (drain/resume of a provider not in the config)
         ├── ResponseProviderGone    409 response_provider_gone (its provider left the pool)
@@ -159,6 +161,23 @@ class ModelNotFound(RequestError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class ControlConflict(RequestError):
+    """A control action the target cannot take in its state now (dispatcher/control.py)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "control_conflict"
+
+
+class InvalidOverride(RequestError):
+    """An override the config's own rules refuse (dispatcher/control.py): the message names
+    the rule or the bound, ``param`` the value."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_override"
 
 
 class RequestTimeout(RequestError):

@@ -8,7 +8,10 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:p:<provider>``   | hash   | node, type, category, capacity, models, health, hb_ms, hb_exp,  |
 |                          |        | in_flight, probe reason (written by its node's worker);        |
 |                          |        | ``drain``: ms an operator drained it (lua/drain.lua), absent   |
-|                          |        | when open -- no heartbeat touches it;                          |
+|                          |        | when open -- no heartbeat touches it; ``off``: ms an operator  |
+|                          |        | disabled it, ``cap_o``/``cap_lo``/``cap_hi``: an operator's    |
+|                          |        | capacity or bounds, ``cap_c``: what its worker last proposed   |
+|                          |        | (lua/override.lua, lib/capacity_in_force.lua);                 |
 |                          |        | ``tok_t0``, ``tok_cur``, ``tok_prev``: completion tokens of    |
 |                          |        | jobs finished in two 10 s buckets (lua/finish.lua);            |
 |                          |        | 5xx evidence and ejection: ``ev_b``, ``evn``, ``evf``,         |
@@ -55,6 +58,15 @@ and every script can be given all of its keys in KEYS.
 | ``{iop}:copies``         | hash   | models that load and unload: model id -> ``,<provider>,...,``  |
 |                          |        | the managed providers whose runtime holds it loaded            |
 |                          |        | (lua/lib/copies.lua; what may give up a spare copy)            |
+| ``{iop}:ovr``            | hash   | operators' overrides of the config (dispatcher/overrides.py):  |
+|                          |        | ``<field>|<id>`` -> its record (JSON, wire.Override; written   |
+|                          |        | only by lua/override.lua)                                      |
+| ``{iop}:ovr:v``          | string | counts changes of ``{iop}:ovr``: every process watches it      |
+| ``{iop}:audit``          | stream | control actions, newest last (wire.AuditEntry; lib/audit.lua), |
+|                          |        | the last ``AUDIT_KEEP`` kept                                    |
+| ``{iop}:audit:n``        | hash   | action -> how many were audited (``/metrics``)                  |
+| ``{iop}:audit:once``     | string | the last config digest a reload audited (one entry per reload  |
+|                          |        | of the fleet, not one per process)                              |
 | ``{iop}:limits``         | hash   | tenants' rate limits and budgets (lua/lib/limits.lua):         |
 |                          |        | ``r:``/``t:<tenant>`` GCRA arrival ms ``|`` limit, ``d:<tenant>`` |
 |                          |        | ``<day>:<tokens used>``, ``x:<tenant>:<limit>`` refusals        |
@@ -111,6 +123,14 @@ MODEL_COPIES = f"{PREFIX}:copies"
 # Each lane's drain rate while it has a backlog (lua/lib/drain_rate.lua note_drain), and, under
 # shed_field(queue), how many submits the queue refused for want of room or time.
 QUEUE_RATES = f"{PREFIX}:qrate"
+# Operators' overrides of the config, the count of their changes, and the audit of every
+# control action (dispatcher/overrides.py, lua/override.lua, lua/lib/audit.lua).
+OVERRIDES = f"{PREFIX}:ovr"
+OVERRIDES_VERSION = f"{PREFIX}:ovr:v"
+AUDIT = f"{PREFIX}:audit"
+AUDIT_COUNTS = f"{PREFIX}:audit:n"
+AUDIT_ONCE = f"{PREFIX}:audit:once"
+AUDIT_KEEP = 10_000
 # The tenants' rate limits and budgets (lua/lib/limits.lua: r:/t:/d:/x: fields per tenant).
 LIMITS = f"{PREFIX}:limits"
 RESPONSES_BY_EXPIRY = f"{PREFIX}:responses:t"

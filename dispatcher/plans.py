@@ -92,10 +92,11 @@ def build(config: Config, lanes: Iterable[Lane], fair: bool = False) -> Plan:
     for lane in lanes:
         model = config.model(lane.model)
         assert model is not None
+        rank = {pid: len(model.preference) - i for i, pid in enumerate(model.preference)}
         cands = [
             wire.Candidate(provider=pid, served=model.providers[pid], provider_key=pos(keys.provider(pid)),
                            node_key=pos(keys.node(node_of[pid])), node=node_of[pid], endpoints=endpoints_of[pid],
-                           managed=pid in managed)
+                           managed=pid in managed, rank=rank.get(pid, 0))
             for pid in lane.providers
             if pid in node_of
         ]

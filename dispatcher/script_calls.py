@@ -344,12 +344,38 @@ class ScriptCalls:
 
     # --- runtime control (dispatcher/control.py) ----------------------------------------------
 
-    async def drain(self, provider: str, mode: Literal["drain", "resume"]) -> Drained:
-        """Set (``drain``) or clear (``resume``, which pumps) a provider's drain mark."""
+    async def drain(self, provider: str, mode: Literal["drain", "resume"], by: str = "iop",
+                    via: str = "http") -> Drained:
+        """Set (``drain``) or clear (``resume``, which pumps) a provider's drain mark, audited
+        as ``by`` through ``via`` when it changed."""
         plan = self.plans.by_provider[provider]
-        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider)), self._lease_ms)
-        mark, in_flight, dispatched = await self._pump(self.scripts.drain, plan, ks, [*head, mode, self._refusal])
+        ks, head = plan.args((*keys.PUMP_KEYS, keys.provider(provider), keys.AUDIT, keys.AUDIT_COUNTS),
+                             self._lease_ms)
+        mark, in_flight, dispatched = await self._pump(
+            self.scripts.drain, plan, ks,
+            [*head, mode, self._refusal, by, via, keys.AUDIT_KEEP, f"provider/{provider}"])
         return Drained(mark.decode() or None, int(in_flight), int(dispatched))
+
+    async def override(self, op: Literal["set", "clear", "lapse"], name: str, target_id: str, *,
+                       value: bytes = b"null", config: bytes = b"null", by: str = "iop", via: str = "http",
+                       for_ms: int = 0, action: str = "") -> tuple[bool, bytes]:
+        """Set, clear or lapse one override (lua/override.lua): whether it changed anything,
+        and the record now in force (b"" none). A provider's field pumps (or, disabled,
+        refuses for) its lanes with this config's plan of it; a model's takes the empty plan."""
+        fixed: tuple[str, ...] = (*keys.PUMP_KEYS, keys.OVERRIDES, keys.OVERRIDES_VERSION, keys.AUDIT,
+                                  keys.AUDIT_COUNTS)
+        is_provider = name in ("enabled", "capacity", "capacity_bounds")
+        plan = self.plans.by_provider.get(target_id) if is_provider else None
+        if is_provider:
+            fixed = (*fixed, keys.provider(target_id))
+        plan = plan or self.plans.empty
+        ks, head = plan.args(fixed, self._lease_ms)
+        target = f"{'provider' if is_provider else 'model'}/{target_id}"
+        changed, record, _ = await self._pump(
+            self.scripts.override, plan, ks,
+            [*head, op, f"{name}|{target_id}", value, config, by, via, for_ms, action, target, keys.AUDIT_KEEP,
+             self._refusal])
+        return bool(changed), bytes(record)
 
     # --- maintenance ------------------------------------------------------------------------
 

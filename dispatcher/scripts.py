@@ -28,7 +28,7 @@ from dispatcher.fastredis import Arg, FastRedis
 
 NAMES = ("submit", "cancel", "emit", "finish", "renew", "heartbeat", "reap_round", "reap_lease", "replica",
          "reconcile", "remember_response", "drain", "refuse", "rehome", "wake", "plan", "abandon", "capacity",
-         "live", "models", "load_done")
+         "live", "models", "load_done", "override", "audit", "model_order")
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
@@ -129,6 +129,9 @@ class Scripts:
         self.live = Script(redis, fast, "live")
         self.models = Script(redis, fast, "models")
         self.load_done = Script(redis, fast, "load_done")
+        self.override = Script(redis, fast, "override")
+        self.audit = Script(redis, fast, "audit")
+        self.model_order = Script(redis, fast, "model_order")
 
     @property
     def redis(self) -> Redis:

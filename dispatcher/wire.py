@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import msgspec
 
@@ -79,6 +80,10 @@ class Candidate(msgspec.Struct, frozen=True, omit_defaults=True):
     # iop manages which models its runtime holds (lifecycle: managed): a job goes there only
     # while the model is loaded (lua/lib/warm.lua).
     managed: bool = False
+    # Where it stands in the model's preference (models[].preference, or an operator's
+    # override of it): the first named has the highest; 0, the others. lua/lib/pick.lua fills
+    # a higher one's free slots first, then compares load.
+    rank: int = 0
 
 
 class LaneSpec(msgspec.Struct, frozen=True):
@@ -194,6 +199,32 @@ class ModelsReport(msgspec.Struct, frozen=True):
     load_ms: int  # the config's load_s: the expected load of a model never timed there
     idle_ms: int  # unload_idle_s
     timeout_ms: int  # load_timeout_s: an order no worker finished by then lapses
+
+
+class Override(msgspec.Struct, frozen=True):
+    """An operator's override of one config value, as ``lua/override.lua`` keeps it (the
+    overrides hash's field ``<field>|<id>``; dispatcher/overrides.py)."""
+
+    value: Any
+    config: Any
+    by: str
+    at: int  # server ms it was set
+    until: int | None  # server ms it lapses; None: never
+    via: str
+
+
+class AuditEntry(msgspec.Struct, frozen=True):
+    """One control action of the audit stream (``lua/lib/audit.lua``): before and after are
+    JSON values, decoded here."""
+
+    id: str  # the stream entry's id
+    at: int  # server ms
+    by: str  # an admin key's name (never the key), "loopback", or "iop" for what iop did itself
+    action: str
+    target: str  # "provider/<id>", "model/<id>", "config"
+    before: Any
+    after: Any
+    via: str  # "http", "cli", "ui", "reload", "expiry", "qualify"
 
 
 class LoadOutcome(msgspec.Struct, frozen=True):
@@ -366,9 +397,9 @@ class ProviderHealth(msgspec.Struct, frozen=True):
     """Whether a provider can take work, as its hash holds it: its worker's heartbeat
     (``lua/heartbeat.lua``: health, reason, hb_ms, hb_exp; ``removed`` when a reload took
     it out of the config; ``leaving`` while its worker drains after a SIGTERM), its limit in
-    force (``lua/capacity.lua``) and an operator's drain mark (``lua/drain.lua``).
-    :func:`provider_health` reads it; :meth:`reasons` is ``lua/lib/unavailable_reason.lua``'s
-    rule."""
+    force (``lua/capacity.lua``), an operator's drain mark (``lua/drain.lua``) and an
+    operator's disable override (``off``, ``lua/override.lua``). :func:`provider_health`
+    reads it; :meth:`reasons` is ``lua/lib/unavailable_reason.lua``'s rule."""
 
     health: str | None
     reason: str
@@ -378,6 +409,7 @@ class ProviderHealth(msgspec.Struct, frozen=True):
     drain: str
     removed: bool
     leaving: bool
+    off: str = ""
 
     def silent(self, now_ms: int) -> bool:
         """Its worker says nothing: never heard of, or its heartbeat is past its TTL."""
@@ -387,7 +419,7 @@ class ProviderHealth(msgspec.Struct, frozen=True):
         """Every reason it cannot take work, as (kind, words), in the order
         ``unavailable_reason`` tries them: ``removed``, then ``never_seen``, ``leaving`` or
         ``stale`` (its worker is silent, or leaving), ``unavailable`` (the probe's word),
-        ``drained``, ``capacity``. Empty: it can."""
+        ``drained``, ``disabled``, ``capacity``. Empty: it can."""
         found: list[tuple[str, str]] = []
         if self.removed:
             found.append(("removed", "removed from the config by a reload"))
@@ -405,6 +437,8 @@ class ProviderHealth(msgspec.Struct, frozen=True):
             found.append(("unavailable", self.reason or "reported unavailable"))
         if self.drain:
             found.append(("drained", "drained by an operator"))
+        if self.off:
+            found.append(("disabled", "disabled by an operator"))
         if (self.capacity or 0) <= 0:
             found.append(("capacity", "capacity 0"))
         return found
@@ -424,7 +458,7 @@ class ProviderHealth(msgspec.Struct, frozen=True):
         return words
 
 
-PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed", "leaving")
+PROVIDER_HEALTH_FIELDS = ("health", "reason", "hb_ms", "hb_exp", "capacity", "drain", "removed", "leaving", "off")
 
 
 def provider_health(fields: dict[str, str]) -> ProviderHealth:
@@ -434,7 +468,7 @@ def provider_health(fields: dict[str, str]) -> ProviderHealth:
         health=fields.get("health"), reason=fields.get("reason", ""),
         hb_ms=None if hb_ms is None else _num(hb_ms) or 0.0, hb_exp=_num(fields.get("hb_exp")),
         capacity=_num(fields.get("capacity")), drain=fields.get("drain", ""), removed=bool(fields.get("removed")),
-        leaving=bool(fields.get("leaving")))
+        leaving=bool(fields.get("leaving")), off=fields.get("off", ""))
 
 
 TOKEN_BUCKET_MS = 10_000  # lua/finish.lua's bucket

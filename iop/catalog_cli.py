@@ -6,7 +6,13 @@ the endpoints it serves, short names on one line (``chat`` for ``chat/completion
 shows ``in_flight/capacity`` and, when the runtime reports a different number of parallel
 slots (llama.cpp), that hint: ``1/4 (slots 8)``. The health column also says when an
 operator drained the provider (``iop provider drain``): ``available (draining)``, then
-``available (drained)`` once nothing runs on it.
+``available (drained)`` once nothing runs on it, and when one disabled it (``iop provider
+disable``): ``available (disabled)``; a model group's candidate lines say the same.
+
+An operator's override (``iop provider capacity``, ``iop model fallbacks``...: the catalog's
+``override`` fields) has a line of its own under the provider or model group it acts on,
+with the effective value, the config's, who set it and until when, if it lapses:
+``capacity 2 (override by ops, config 6, until 14:03 UTC, 59m left)``.
 
 With flow control, a table of the tenants (band, weight, jobs waiting and running, limits)
 follows the providers when there is more than the ``default`` tenant, and each model group
@@ -29,6 +35,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from iop.http_client import call, report
@@ -167,6 +174,89 @@ def telemetry_text(node: dict[str, Any]) -> str:
     return "telemetry: " + ", ".join(parts)
 
 
+def _utc(ms: int, now_ms: int) -> str:
+    """``14:03 UTC``, with the date when it is not the server's today (an override set for 2d)."""
+    at = datetime.fromtimestamp(ms / 1000, UTC)
+    same_day = at.date() == datetime.fromtimestamp(now_ms / 1000, UTC).date()
+    return at.strftime("%H:%M UTC" if same_day else "%Y-%m-%d %H:%M UTC")
+
+
+def _left(ms: int) -> str:
+    """A time left, coarse: ``40s``, ``59m``, ``3h05m``, ``2d3h``."""
+    s = max(0, ms // 1000)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def _value_text(field: str, value: Any) -> str:
+    """An override's value (or its config's) as the line shows it."""
+    if isinstance(value, list):  # fallbacks, preference
+        return ", ".join(map(str, value)) or "none"
+    if isinstance(value, dict):  # capacity_bounds: {"min", "max"}
+        return f"{value.get('min')}-{value.get('max')}"
+    if field == "enabled":
+        return "enabled" if value else "disabled"
+    return str(value)
+
+
+# How each overridable field is named on its line, in the order the lines come.
+OVERRIDE_LABELS = {"enabled": "", "capacity": "capacity", "capacity_bounds": "capacity bounds",
+                   "fallbacks": "fallbacks", "preference": "preference"}
+
+
+def override_lines(overrides: dict[str, Any] | None, now_ms: int) -> list[str]:
+    """A provider's or model group's overrides (its catalog ``override`` field; absent from an
+    older iop's catalog), a line each: the value in force, marked, with the config's value,
+    who set it and until when -- ``disabled (override by ops, until 14:03 UTC, 59m left)``,
+    ``capacity 2 (override by ops, config 6)`` for one that lasts until cleared."""
+    if not overrides:
+        return []
+    order = list(OVERRIDE_LABELS)
+    lines = []
+    for field in sorted(overrides, key=lambda f: (order.index(f) if f in order else len(order), f)):
+        o = overrides[field] or {}
+        label = OVERRIDE_LABELS.get(field, field.replace("_", " "))
+        value = _value_text(field, o.get("value"))
+        notes = ["override" + (f" by {o['by']}" if o.get("by") else "")]
+        # "disabled" says it all: its config value is always "enabled".
+        if field != "enabled" and "config" in o:
+            notes.append(f"config {_value_text(field, o['config'])}")
+        until = o.get("until")
+        if until is not None:
+            notes.append(f"until {_utc(until, now_ms)}, {_left(until - now_ms)} left")
+        lines.append(f"{label} {value}".strip() + f" ({', '.join(notes)})")
+    return lines
+
+
+def _indented(paint: Callable[[str, str], str], lines: list[str], code: str) -> list[str]:
+    """Detail lines under a row, wrapped, the indentation left unpainted."""
+    out = []
+    for line in wrapped(lines, "    "):
+        body = line.lstrip(" ")
+        out.append(line[:len(line) - len(body)] + paint(body, code))
+    return out
+
+
+def wrapped(lines: list[str], indent: str) -> list[str]:
+    """Lines wrapped to :data:`WIDTH` at ``indent``, a long one's rest indented under it."""
+    return [part for line in lines for part in textwrap.wrap(
+        line, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+        break_long_words=False, break_on_hyphens=False)]
+
+
+def health_text(health: str, p: dict[str, Any] | None) -> str:
+    """A health with what an operator did beside it: ``available (disabled, draining)``. The
+    health stays the probe's word; ``enabled`` is absent from an older iop's catalog."""
+    marks = [] if p is None else (["disabled"] if p.get("enabled") is False else []) + (
+        [p["drain"]] if p.get("drain") else [])
+    return health + (f" ({', '.join(marks)})" if marks else "")
+
+
 def endpoints_lines(endpoints: list[str], indent: str) -> list[str]:
     text = ", ".join(SHORT_ENDPOINTS.get(e, e) for e in endpoints) or "none"
     return textwrap.wrap(f"endpoints: {text}", WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
@@ -178,6 +268,7 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         return f"{code}{text}{RESET}" if colour else text
 
     providers = {p["id"]: p for p in doc["providers"]}
+    now_ms = int(doc.get("server_time_ms") or 0)
     headers = ["PROVIDER", "TYPE", "CATEGORY", "HEALTH", "LOAD", "QUEUED", "TOK/S", "CACHE", "MODELS"]
     rows: list[tuple[str, list[str], list[str | None]]] = []
     for node in doc["nodes"]:
@@ -185,8 +276,8 @@ def render(doc: dict[str, Any], colour: bool) -> str:
             p = providers[pid]
             ratio = "-" if p["load_ratio"] is None else f"{p['load_ratio']:.2f}"
             models = ", ".join(m + (" (not offered)" if m in p["missing_models"] else "") for m in p["models"])
-            # An operator's drain shows beside the probe's health: ``available (draining)``.
-            health = p["health"] + (f" ({p['drain']})" if p.get("drain") else "")
+            # An operator's disable and drain show beside the probe's health: ``available (draining)``.
+            health = health_text(p["health"], p)
             # The share of its prompt tokens it served from its prefix cache, where it says.
             hit = p.get("cache_hit_rate")
             cache = "-" if hit is None else f"{hit:.0%}"
@@ -213,6 +304,8 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         p = providers[cells[0]]
         if p["reason"]:
             lines.append("    " + paint(p["reason"], DIM))
+        # Not dimmed: an operator's hand is on this provider, and the line says until when.
+        lines.extend(_indented(paint, override_lines(p.get("override"), now_ms), YELLOW))
         if p.get("evidence"):  # absent from an older iop's catalog, None with nothing held against it
             lines.append("    " + paint(evidence_text(p["evidence"]), DIM))
         lines.extend("    " + paint(line, DIM) for line in load_lines(p))
@@ -230,11 +323,14 @@ def render(doc: dict[str, Any], colour: bool) -> str:
         wait = "-" if m["oldest_wait_ms"] is None else f"{m['oldest_wait_ms'] / 1000:.1f}s"
         lines.append(f"  {m['id']} ({m['display_name']}): queued {m['queued']}, oldest wait {wait}, "
                      f"free slots {m['available_slots']}")
+        lines.extend(_indented(paint, override_lines(m.get("override"), now_ms), YELLOW))
         if m.get("affinity"):  # None when its affinity is off; absent from an older iop's catalog
             lines.append("    " + affinity_text(m["affinity"]))
         for c in m["candidates"]:
+            # A disabled or drained candidate gets no new job here: say so beside its health.
+            marks = health_text("", providers.get(c["provider"]))
             lines.append(f"    {c['provider']} -> {c['served_name']}  "
-                         f"{paint(c['health'], HEALTH_COLOUR.get(c['health'], ''))}  "
+                         f"{paint(c['health'], HEALTH_COLOUR.get(c['health'], ''))}{marks}  "
                          f"{c['in_flight']}/{c['capacity']}")
         for u in m.get("tenants") or []:
             lines.append(f"    tenant {u['tenant']}: queued {u['queued']}, in flight {u['in_flight']}")

@@ -9,6 +9,15 @@
     iop reload [--port P | --pid PID]      make a running iop read its config file again (SIGHUP)
     iop provider drain ID [--wait]         stop new dispatch to a provider; --wait: until its jobs are done
     iop provider resume ID                 let it take jobs again
+    iop provider disable ID [--for D]      no new dispatch to it anywhere (an override; D: 90s, 15m, 1h, 2d)
+    iop provider enable ID                 clear that override
+    iop provider capacity ID N [--for D]   override its capacity; --min A --max B: the bounds of capacity: auto;
+                                           --clear: back to the config's
+    iop provider load|unload ID MODEL      load / unload a served model on a managed provider
+    iop model fallbacks ID A,B [--for D]   override a model's fallbacks (--clear: the config's)
+    iop model prefer ID P1,P2 [--for D]    its providers P1, P2 first while they have a free slot (--clear)
+    iop overrides [--json]                 every override in force: who set it, until when
+    iop audit [--since D|MS] [--limit N]   the control actions, newest first
     iop fake-provider --port P [--delay-ms D] [--tokens N] [--token-interval-ms T]
                       [--models a,b] [--max-loaded K] [--load-ms L] [--keep-alive-s S]
 """
@@ -25,6 +34,7 @@ from typing import NoReturn
 
 from dispatcher import config as cfg
 from dispatcher.exceptions import ConfigError
+from iop.control_cli import audit_limit, capacity, parse_duration, since_ms
 from iop.logs import FORMATS
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
@@ -32,6 +42,7 @@ DEMO_CONFIG = Path(__file__).resolve().parent / "demo.yaml"
 # an `iop up --port 9090` is then one `export IOP_URL=http://127.0.0.1:9090` away.
 URL_ENV = "IOP_URL"
 DEFAULT_URL = "http://127.0.0.1:8080"
+PROVIDER_ID_HELP = "the provider id (nodes[].providers[].id)"
 
 
 def _add_url(parser: argparse.ArgumentParser) -> None:
@@ -191,6 +202,27 @@ def cmd_provider(args: argparse.Namespace) -> int:
                          as_json=args.json)
 
 
+def cmd_control(args: argparse.Namespace) -> int:
+    from iop.control_cli import main as control_main
+
+    return control_main(args, os.environ.get(args.key_env), usage_error=args.usage_error)
+
+
+def _add_client(parser: argparse.ArgumentParser, control: str) -> None:
+    """What every runtime-control command takes, and where it goes."""
+    _add_url(parser)
+    parser.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    # usage_error: argparse's own, for combinations it cannot check (capacity N with --clear).
+    parser.set_defaults(func=cmd_control, control=control, usage_error=parser.error)
+
+
+def _add_for(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--for", dest="for_s", type=parse_duration, metavar="DURATION",
+                        help="the override lapses by itself after this: 90s, 15m, 1h, 2d, or seconds "
+                        "(default: until cleared)")
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     from iop.reload_target import config_file, process_at
     from iop.up import pid_file
@@ -315,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     qualify.add_argument("--key-env", default="IOP_ADMIN_KEY", help="env var holding an admin key, if one is needed")
     qualify.set_defaults(func=cmd_qualify)
 
-    provider = sub.add_parser("provider", help="drain or resume a provider of a running iop (admin endpoints)")
+    provider = sub.add_parser("provider", help="runtime control of a provider of a running iop (admin endpoints): "
+                              "drain, resume, disable, enable, capacity, load, unload")
     provider_sub = provider.add_subparsers(dest="provider_command", required=True)
     for action, text in (("drain", "stop new dispatch to the provider, fleet-wide; its running jobs finish"),
                          ("resume", "let a drained provider take jobs again")):
@@ -328,6 +361,58 @@ def build_parser() -> argparse.ArgumentParser:
             one.add_argument("--wait", action="store_true", help="return once nothing runs on it any more (drained)")
             one.add_argument("--wait-timeout", type=float, metavar="S", help="give up waiting after S seconds (exit 3)")
         one.set_defaults(func=cmd_provider)
+
+    # Overrides over the config, kept in Redis and applied fleet-wide (iop/control_cli.py).
+    disable = provider_sub.add_parser("disable", help="no new dispatch to the provider anywhere, until enabled or "
+                                      "--for lapses; its running requests finish")
+    disable.add_argument("id", metavar="ID", help=PROVIDER_ID_HELP)
+    _add_for(disable)
+    _add_client(disable, "disable")
+    enable = provider_sub.add_parser("enable", help="clear a disable")
+    enable.add_argument("id", metavar="ID", help=PROVIDER_ID_HELP)
+    _add_client(enable, "enable")
+    fixed = provider_sub.add_parser(
+        "capacity", help="override the provider's capacity (N), or the bounds of its capacity: auto "
+        "(--min A --max B); --clear: back to the config's")
+    fixed.add_argument("id", metavar="ID", help=PROVIDER_ID_HELP)
+    fixed.add_argument("capacity", metavar="N", nargs="?", type=capacity, help="a fixed capacity")
+    fixed.add_argument("--min", type=capacity, metavar="A", help="lower bound of capacity: auto")
+    fixed.add_argument("--max", type=capacity, metavar="B", help="upper bound of capacity: auto")
+    fixed.add_argument("--clear", action="store_true", help="drop the capacity override (N or bounds)")
+    _add_for(fixed)
+    _add_client(fixed, "capacity")
+    for action, text in (("load", "load a model on a managed provider (its runtime's own API); answers at once"),
+                         ("unload", "unload a model from a managed provider; answers at once")):
+        one = provider_sub.add_parser(action, help=text)
+        one.add_argument("id", metavar="ID", help=PROVIDER_ID_HELP)
+        one.add_argument("model", metavar="MODEL", help="the served name, as the provider knows it "
+                         "(nodes[].providers[].models)")
+        _add_client(one, action)
+
+    model = sub.add_parser("model", help="runtime control of a model of a running iop (admin endpoints): "
+                           "fallbacks, preference")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    for action, what, text in (
+        ("fallbacks", "A,B", "override the models its requests fall back to, in order ('' for none)"),
+        ("prefer", "P1,P2", "send its requests to these providers first, in this order, while they have a free "
+         "slot; the others after them, by load"),
+    ):
+        one = model_sub.add_parser(action, help=text + "; --clear: back to the config's")
+        one.add_argument("id", metavar="ID", help="the model id (models[].id)")
+        one.add_argument("ids", metavar=what, nargs="?", help="comma-separated " +
+                         ("model ids" if action == "fallbacks" else "provider ids"))
+        one.add_argument("--clear", action="store_true", help="drop the override")
+        _add_for(one)
+        _add_client(one, action)
+
+    overrides = sub.add_parser("overrides", help="every override in force in a running iop: who set it, until when")
+    _add_client(overrides, "overrides")
+    audit = sub.add_parser("audit", help="the control actions taken on a running iop, newest first")
+    audit.add_argument("--since", type=since_ms, metavar="DURATION|MS",
+                       help="only entries since this long ago (1h, 2d...), or since a time in ms since the epoch")
+    audit.add_argument("--limit", type=audit_limit, metavar="N", help="at most N entries (1-1000; default: the "
+                       "API's, 100)")
+    _add_client(audit, "audit")
 
     reload = sub.add_parser("reload", help="make a running iop read its config file again (SIGHUP)")
     target = reload.add_mutually_exclusive_group()

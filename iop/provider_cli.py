@@ -1,5 +1,7 @@
 """``iop provider drain|resume ID``: runtime control of a running iop over its admin
-endpoints (``api/control.py``), with the stdlib's HTTP client like ``iop catalog``.
+endpoints (``api/control.py``), with the stdlib's HTTP client like ``iop catalog``. The
+provider's other commands (``disable``, ``enable``, ``capacity``, ``load``, ``unload``) are
+overrides and orders, in ``iop/control_cli.py``.
 
 ``drain --wait`` polls ``GET /admin/providers/{id}`` until nothing runs on the provider any
 more (``drained``): then it can be stopped or updated without cutting a request."""

@@ -195,8 +195,8 @@ def run_up(config: Config, config_path: str, *, host: str, port: int, api_worker
         print(f"`iop reload --port {port}` applies a changed config file.")
         # The client commands find this iop through IOP_URL (their --url): said here, since
         # with another port they would otherwise ask :8080.
-        print(f"`export IOP_URL=http://{host}:{port}` points `iop catalog`, `iop provider` and `iop qualify` "
-              "at it (else give them --url).")
+        print(f"`export IOP_URL=http://{host}:{port}` points `iop catalog`, `iop provider`, `iop model`, "
+              "`iop overrides`, `iop audit` and `iop qualify` at it (else give them --url).")
         print("Ctrl-C stops everything.", flush=True)
 
         while not sup.stopping:

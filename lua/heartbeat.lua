@@ -12,13 +12,15 @@
 -- ARGV[4]    health: 'available' | 'unavailable'
 -- ARGV[5]    heartbeat TTL ms: the provider is not chosen once it passes
 -- ARGV[6]    refusal options, JSON (dispatcher/wire.py Refusal)
--- ARGV[7..]  field, value, ... (node, type, category, capacity, models, probe reason, ...)
+-- ARGV[7..]  field, value, ... (node, type, category, capacity, models, probe reason, ...);
+--            the capacity as an operator's override lets it (lib/capacity_in_force.lua)
 -- Returns the number of jobs dispatched (available) or refused (not)
 --!include lib/jobs.lua
 --!include lib/refuse_plan.lua
 --!include lib/pump.lua
 --!include lib/hash_fields.lua
 --!include lib/uptime.lua
+--!include lib/capacity_in_force.lua
 
 local PROVIDER = KEYS[6]
 local now = now_ms()
@@ -26,7 +28,11 @@ local names, up_names, numbers = uptime_fields(now)
 local f = read_fields(PROVIDER, names)
 note_uptime(f, now, up_names, numbers)
 for i = 7, #ARGV, 2 do
-  redis.call('HSET', PROVIDER, ARGV[i], ARGV[i + 1])
+  if ARGV[i] == 'capacity' then
+    capacity_in_force(PROVIDER, ARGV[i + 1])
+  else
+    redis.call('HSET', PROVIDER, ARGV[i], ARGV[i + 1])
+  end
 end
 set_field(f, 'health', ARGV[4])
 set_field(f, 'hb_ms', now)

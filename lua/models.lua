@@ -33,6 +33,13 @@ if loading ~= '' and (tonumber(have['load_until']) or 0) <= now then
   redis.call('HDEL', PROVIDER, 'load', 'load_evict', 'load_at', 'load_until', 'load_by')
   loading, evicting = '', ''
 end
+-- An operator's unload (lua/model_order.lua) holds its model 'unloading' the same way.
+local unloading = have['unload'] or ''
+if unloading ~= '' and (tonumber(have['unload_until']) or 0) <= now then
+  redis.call('HDEL', PROVIDER, 'unload', 'unload_until', 'unload_by')
+  unloading = ''
+end
+
 local states = {}
 for name, state in pairs(r.states) do states[name] = state end
 for field in pairs(have) do
@@ -52,11 +59,11 @@ for served, ids in pairs(r.models) do
 end
 for name, state in pairs(states) do
   local old = have['ms:' .. name]
-  if name ~= loading and name ~= evicting then
+  if name ~= loading and name ~= evicting and name ~= unloading then
     -- Every reading, not only a change: the index is whole again after a loss of it.
     note_copies(have['mm:' .. name], r.provider, state == 'loaded')
   end
-  if name ~= loading and name ~= evicting and old ~= state then
+  if name ~= loading and name ~= evicting and name ~= unloading and old ~= state then
     redis.call('HSET', PROVIDER, 'ms:' .. name, state, 'mt:' .. name, now)
     if old ~= nil and old ~= 'unknown' then
       if state == 'loaded' then

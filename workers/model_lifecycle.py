@@ -139,7 +139,11 @@ class ModelLifecycle(ProviderLoops):
         reported. Whether there was one."""
         pkey = keys.provider(provider.id)
         try:
-            served, evict, claimed = await self._redis.hmget(pkey, ["load", "load_evict", "load_by"])
+            served, evict, claimed, unload, unload_claimed = await self._redis.hmget(
+                pkey, ["load", "load_evict", "load_by", "unload", "unload_by"])
+            if unload and not unload_claimed and await self._redis.hsetnx(pkey, "unload_by", self._worker_id):
+                await self.unload(provider, runtime, _text(unload))
+                return True
             if not served or claimed or not await self._redis.hsetnx(pkey, "load_by", self._worker_id):
                 return False
         except RedisError:
@@ -173,6 +177,35 @@ class ModelLifecycle(ProviderLoops):
                 log.warning("provider %s: the end of the load of %s not reported: %s", provider.id, target, exc)
         await self.publish(provider, runtime)
         return True
+
+
+    async def unload(self, provider: ProviderConfig, runtime: ModelRuntime, served: str) -> None:
+        """Carry out an operator's unload (lua/model_order.lua), claimed by this worker: no
+        new job goes to the model meanwhile, so wait for iop's jobs running on it to end
+        (until the order's time), unload it, clear the order, publish what the runtime holds."""
+        pkey = keys.provider(provider.id)
+        log.info("provider %s: unloading model %s (an operator's order)", provider.id, served)
+        while True:
+            running, until = await self._redis.hmget(pkey, [f"mr:{served}", "unload_until"])
+            if int(running or 0) <= 0:
+                break
+            if int(until or 0) <= int(time.time() * 1000):
+                log.warning("provider %s: model %s not unloaded: requests still ran on it when the order lapsed",
+                            provider.id, served)
+                return
+            await anyio.sleep(ORDER_POLL_S)
+        try:
+            await runtime.unload(served)
+            log.info("provider %s: model %s unloaded", provider.id, served)
+        except IopError as exc:
+            log.warning("provider %s: model %s not unloaded: %s", provider.id, served, exc)
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._redis.hdel(pkey, "unload", "unload_until", "unload_by")
+            except RedisError as exc:
+                log.warning("provider %s: the unload of %s not cleared (it lapses by itself): %s", provider.id,
+                            served, exc)
+        await self.publish(provider, runtime)
 
 
 def _runtime_for(provider: ProviderConfig, adapters: ProviderAdapters) -> ModelRuntime | None:

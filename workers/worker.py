@@ -24,6 +24,8 @@ to the node, report every answer back, and give every slot back.
                           finish within ``dispatch.drain_grace_s``, cancel the rest, exit
 * ``_watch_hangups``      SIGHUP: read the config file again and apply it (:meth:`reload`):
                           providers added, removed (they finish what they run), changed
+* ``OverrideWatch.run``   keep the config in step with the operators' overrides in Redis
+                          (``dispatcher/overrides.py``), and let lapse those whose time came
 
 What the config implies for the node is one :class:`NodeRuntime`; a reload builds a new one
 and swaps ``Worker.runtime``, the one reference to it: every part reads the config in force
@@ -47,9 +49,12 @@ import anyio
 from anyio.abc import TaskGroup
 from redis.exceptions import RedisError
 
-from dispatcher.config import Config
+from dispatcher import overrides
+from dispatcher.config import Config, config_digest
+from dispatcher.control import Control, audit_once
 from dispatcher.exceptions import ConfigError, ConfigProblem
 from dispatcher.live import FLUSH_S
+from dispatcher.overrides import OverrideWatch
 from dispatcher.reaper import Reaper
 from dispatcher.redis_conn import Clients, server_warnings
 from dispatcher.reloading import describe_changes, reread
@@ -87,6 +92,10 @@ class Worker:
         # dispatch section, RESTART: dispatcher/reloading.py keeps its running values) is
         # given to the parts once, here.
         self.runtime = runtime
+        # The file's config, as loaded or last reloaded; the runtime runs it with the
+        # operators' overrides applied (dispatcher/overrides.py), which the watch keeps up.
+        self.file_config = config
+        self.overrides = OverrideWatch(self.redis, self._apply_overrides, self._lapse)
         dispatch = config.dispatch
         self.side = WorkerSide(lambda: self.current().calls, self.redis, node_id, self.clients.fast)
         self.reaper = Reaper(lambda: self.current().calls, self.redis, self.worker_id)
@@ -125,6 +134,7 @@ class Worker:
             await self.scripts.load()
             await self.side.ensure_group()
             await self.reaper.reconcile()
+            await self.overrides.start()
             log.info("worker %s serving node %s: %s", self.worker_id, node.id,
                      ", ".join(f"{p.id}({p.type}, capacity {p.capacity})" for p in node.providers))
             async with anyio.create_task_group() as tg:
@@ -140,6 +150,7 @@ class Worker:
                 tg.start_soon(self.telemetry.run)
                 tg.start_soon(self.adapters.run, self.lease_s)
                 tg.start_soon(self._flush_live)
+                tg.start_soon(self.overrides.run)
                 async with anyio.create_task_group() as jobs:
                     await self.stream.consume(jobs)
                     await self._shut_down(jobs)
@@ -219,14 +230,47 @@ class Worker:
         if self.config_path is None:
             return False
         old = self.runtime
-        new = reread(self.config_path, old.config)
+        new = reread(self.config_path, self.file_config)
         if new is None:
             return False
-        runtime = NodeRuntime.build(new, old.node.id, self.scripts)
+        runtime = NodeRuntime.build(overrides.effective(new, self.overrides.snapshot), old.node.id, self.scripts)
         if runtime is None:
             log.error("reload: %s has no node %r, which this worker serves; nothing changed (stop this worker "
                       "to take the node away)", self.config_path, old.node.id)
             return False
+        before_file, self.file_config = self.file_config, new
+        await self._switch(runtime)
+        log.info("reload: %s applied (%s)", self.config_path, describe_changes(old.config, new))
+        with anyio.CancelScope(shield=True):
+            try:
+                # Read now, not the watch's last snapshot: one set just before the reload counts too.
+                await Control(runtime.calls, self.redis, new).drop_stale(await overrides.read(self.redis))
+                if before_file != new:
+                    await audit_once(runtime.calls, "reload", "config", config_digest(before_file),
+                                     {"digest": config_digest(new), "changes": describe_changes(before_file, new)},
+                                     "iop", "reload", once_digest=config_digest(new))
+            except RedisError as exc:
+                log.warning("reload: overrides not checked against the new file, nor the reload audited: %s", exc)
+        return True
+
+    async def _apply_overrides(self, snapshot: overrides.Snapshot) -> None:
+        """Run the file's config with ``snapshot`` applied, if that changes what it is for
+        this node (a capacity's bounds, a model's preference in the plans)."""
+        config = overrides.effective(self.file_config, snapshot)
+        if config == self.runtime.config:
+            return
+        runtime = NodeRuntime.build(config, self.runtime.node.id, self.scripts)
+        if runtime is not None:
+            await self._switch(runtime)
+            log.info("overrides applied (version %d)", snapshot.version)
+
+    async def _lapse(self, name: overrides.Field, target_id: str) -> None:
+        await Control(self.runtime.calls, self.redis, self.file_config).lapse(name, target_id)
+
+    async def _switch(self, runtime: NodeRuntime) -> None:
+        """Run ``runtime`` from now on: providers it adds start, those it removes are marked
+        removed and finish what they run, those it changes get a new adapter."""
+        old = self.runtime
         before, after = old.providers, runtime.providers
         removed = [pid for pid in before if pid not in after]
         for pid in removed:
@@ -245,7 +289,6 @@ class Worker:
                                                                    ("removed", 1)])
                 except RedisError as exc:
                     log.warning("reload: could not mark %s removed (its heartbeat expires instead): %s", pid, exc)
-        log.info("reload: %s applied (%s)", self.config_path, describe_changes(old.config, new))
         self.runtime = runtime  # every part sees it from its next use on (current())
         for pid, provider in after.items():
             if pid not in before:
@@ -260,4 +303,3 @@ class Worker:
                 self.providers.probe_now(pid)
             else:
                 self.providers.heartbeat_now(pid)  # its groups may have changed: pump them with the new plans
-        return True

@@ -20,6 +20,7 @@ pool shape before validation.
 from dispatcher.config.loading import Loaded, load, normalise_base_url, parse, read_document
 from dispatcher.config.schema import (
     AUTO_LOAD_FLOOR,
+    AUTO_MAX_CAPACITY,
     CATEGORIES,
     DEFAULT_CATEGORY,
     DEFAULT_TENANT,
@@ -43,12 +44,14 @@ from dispatcher.config.schema import (
     ResponsesConfig,
     SentinelConfig,
     TracingConfig,
+    config_digest,
     host_port,
 )
 from dispatcher.config.validation import secrets_in_file, validate
 
 __all__ = [
     "AUTO_LOAD_FLOOR",
+    "AUTO_MAX_CAPACITY",
     "CATEGORIES",
     "DEFAULT_CATEGORY",
     "DEFAULT_TENANT",
@@ -73,6 +76,7 @@ __all__ = [
     "ResponsesConfig",
     "SentinelConfig",
     "TracingConfig",
+    "config_digest",
     "host_port",
     "load",
     "normalise_base_url",

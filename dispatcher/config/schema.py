@@ -13,6 +13,7 @@ A default must be in its range.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -310,6 +311,10 @@ class ModelConfig(_Base, frozen=True):
     # provider of its endpoint available, its queue or its tenant's share full, its
     # deadline unmeetable); the first that can takes it.
     fallbacks: list[str] = []
+    # Providers of this model whose free slots are filled first, in this order; the others
+    # after them, by load (lua/lib/pick.lua). Unset: by load alone (S04). A cheaper or nearer
+    # provider first, the rest as overflow.
+    preference: list[str] = []
     affinity: AffinityConfig = AffinityConfig()
 
 
@@ -472,6 +477,9 @@ class Config(_Base, frozen=True):
     def node(self, node_id: str) -> NodeConfig | None:
         return next((n for n in self.nodes if n.id == node_id), None)
 
+    def provider(self, provider_id: str) -> ProviderConfig | None:
+        return next((p for _, p in self.providers() if p.id == provider_id), None)
+
     def providers(self) -> Iterator[tuple[NodeConfig, ProviderConfig]]:
         for node in self.nodes:
             for provider in node.providers:
@@ -501,3 +509,8 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{text!r} is not host:port")
     return host, int(port)
+
+
+def config_digest(config: Config) -> str:
+    """A short digest of a config's content: what a reload's audit entry names it by."""
+    return hashlib.blake2b(msgspec.json.encode(config), digest_size=8).hexdigest()

@@ -98,6 +98,14 @@ def validate(config: Config, *, unsure: Callable[[str], bool] = _never) -> list[
                     f"{path}.providers.{pid}",
                     f"served name {served!r} is not in provider {pid!r} models {prov.models}",
                 )
+        seen: set[str] = set()
+        for qi, pid in enumerate(model.preference):
+            if pid not in model.providers:
+                bad(f"{path}.preference[{qi}]", f"{pid!r} is not a provider of model {model.id!r}"
+                    f" ({', '.join(sorted(model.providers)) or 'none'})")
+            elif pid in seen:
+                bad(f"{path}.preference[{qi}]", f"{pid!r} is listed twice")
+            seen.add(pid)
     if not config.models:
         bad("$.models", NO_MODELS)
 

@@ -24,8 +24,8 @@ local function eject(f, pid, lane, kind, reason, now, rules)
   for _, cand in ipairs(lane.candidates) do
     if cand.provider ~= pid then
       local v = redis.call('HMGET', KEYS[BASE + cand.provider_key], 'health', 'hb_exp', 'capacity', 'drain',
-                           'ej_until', 'ej_trial')
-      if v[6] == '1' and (tonumber(v[5]) or 0) > now then
+                           'off', 'ej_until', 'ej_trial')
+      if v[7] == '1' and (tonumber(v[6]) or 0) > now then
         ejected = ejected + 1
       elseif takes_work(v, now) then
         others_take_work = true

@@ -1,7 +1,8 @@
 -- The candidate of `lane` a job goes to (nil: none has a free slot): among those that may
--- take work (lib/usable.lua) and have a free slot, the lowest in_flight/capacity, compared exactly as
--- a*d < c*b; ties: lower in_flight, then provider id. Only where its model is loaded
--- (lib/warm.lua). `rec`: the job's record, when known:
+-- take work (lib/usable.lua) and have a free slot, the highest in the model's preference
+-- (`rank`: models[].preference or an operator's override; 0 for the rest), then the lowest
+-- in_flight/capacity, compared exactly as a*d < c*b; ties: lower in_flight, then provider
+-- id. Only where its model is loaded (lib/warm.lua). `rec`: the job's record, when known:
 -- only candidates that may run it (lib/serves.lua, lib/excluded.lua). `ctx`: the pump()
 -- call's state (lib/pump.lua).
 --!include lib/dispatch_plan.lua
@@ -20,8 +21,10 @@ local function pick(ctx, lane, rec)
       if best == nil then
         best, bs = cand, s
       else
+        local ra, rb = cand.rank or 0, best.rank or 0
         local l, r = s.inf * bs.cap, bs.inf * s.cap
-        if l < r or (l == r and (s.inf < bs.inf or (s.inf == bs.inf and cand.provider < best.provider))) then
+        if ra > rb or (ra == rb and (l < r or (l == r and (s.inf < bs.inf or
+            (s.inf == bs.inf and cand.provider < best.provider))))) then
           best, bs = cand, s
         end
       end

@@ -4,6 +4,6 @@
 --!include lib/takes_work.lua
 
 local function provider_ok(pkey, now)
-  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'ej_until', 'ej_trial')
-  return takes_work(v, now) and not (v[6] == '1' and (tonumber(v[5]) or 0) > now)
+  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'off', 'ej_until', 'ej_trial')
+  return takes_work(v, now) and not (v[7] == '1' and (tonumber(v[6]) or 0) > now)
 end

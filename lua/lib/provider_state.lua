@@ -17,20 +17,20 @@
 local function provider_state(ctx, pkey)
   local s = ctx.providers[pkey]
   if s == nil then
-    local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'in_flight', 'ext',
+    local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'off', 'in_flight', 'ext',
                          'hold_until', 'ej_until', 'ej_trial', 'svc_ms', 'capacity_mode')
     local now = ctx.now
-    s = {ok = takes_work(v, now), cap = tonumber(v[3]) or 0, inf = (tonumber(v[5]) or 0) + (tonumber(v[6]) or 0),
-         ejected = false, firm = false, svc = tonumber(v[10]) or 0, auto = v[11] == 'auto'}
-    if v[9] == '1' then
-      if (tonumber(v[8]) or 0) > now then
+    s = {ok = takes_work(v, now), cap = tonumber(v[3]) or 0, inf = (tonumber(v[6]) or 0) + (tonumber(v[7]) or 0),
+         ejected = false, firm = false, svc = tonumber(v[11]) or 0, auto = v[12] == 'auto'}
+    if v[10] == '1' then
+      if (tonumber(v[9]) or 0) > now then
         s.ejected = true
       else
         s.cap = math.min(s.cap, 1)  -- on trial: one request at a time until one is answered
         s.firm = true
       end
     end
-    if (tonumber(v[7]) or 0) > now then
+    if (tonumber(v[8]) or 0) > now then
       s.inf = math.max(s.inf, s.cap)
       s.firm = true
     end

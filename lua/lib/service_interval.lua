@@ -11,9 +11,9 @@
 local function service_interval(lane, now)
   local rate = 0
   for _, cand in ipairs(lane.candidates) do
-    local v = redis.call('HMGET', KEYS[BASE + cand.provider_key], 'health', 'hb_exp', 'capacity', 'drain', 'svc_ms')
+    local v = redis.call('HMGET', KEYS[BASE + cand.provider_key], 'health', 'hb_exp', 'capacity', 'drain', 'off', 'svc_ms')
     if takes_work(v, now) then
-      local svc = tonumber(v[5]) or 0
+      local svc = tonumber(v[6]) or 0
       if svc <= 0 then return nil end
       rate = rate + (tonumber(v[3]) or 0) / svc
     end

@@ -10,7 +10,7 @@
 -- its next heartbeat, and nobody is refused in between.
 
 local function unavailable_reason(pkey, now, silent_is_down)
-  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed', 'leaving')
+  local v = redis.call('HMGET', pkey, 'health', 'hb_exp', 'capacity', 'drain', 'hb_ms', 'reason', 'removed', 'leaving', 'off')
   -- A reload removed it: processes not yet reloaded may still name it as a lane's only
   -- provider, while in the new config other providers serve that key (or reaper rounds
   -- move its jobs there). Not a reason to refuse.
@@ -29,6 +29,7 @@ local function unavailable_reason(pkey, now, silent_is_down)
   end
   if v[1] ~= 'available' then return (v[6] and v[6] ~= '') and v[6] or 'reported unavailable' end
   if (v[4] or '') ~= '' then return 'drained by an operator' end
+  if (v[9] or '') ~= '' then return 'disabled by an operator' end
   if (tonumber(v[3]) or 0) <= 0 then return 'capacity 0' end
   return ''
 end

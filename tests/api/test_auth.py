@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
 
-from api.auth import CallerKeys
+from api.auth import CallerKeys, admin_guard
 from dispatcher.exceptions import Unauthorized
 from dispatcher.tenants import Tenants
 from tests.dispatcher.tenant_config import BANDS, KEYS, config
@@ -53,3 +54,26 @@ def test_an_open_api_is_the_default_tenant(monkeypatch: pytest.MonkeyPatch) -> N
     t = callers(monkeypatch)
     assert t.tenant_of({}).name == "default"
     assert t.tenant_of({"authorization": "Bearer anything"}).name == "default"
+
+
+def test_admin_keys_may_be_named_and_the_audit_never_sees_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IOP_ADMIN", "ops:s3cret, bare-key-1")
+    conf = config(monkeypatch)
+    guard = admin_guard("IOP_ADMIN", CallerKeys(conf, Tenants(conf)))
+    guard.check({"authorization": "Bearer s3cret"})
+    assert guard.name_of({"authorization": "Bearer s3cret"}) == "ops"
+    # A bare key is named by a digest of it, which does not give it away.
+    bare = guard.name_of({"authorization": "Bearer bare-key-1"})
+    assert bare == "key-" + hashlib.sha256(b"bare-key-1").hexdigest()[:8]
+    assert "bare" not in bare
+    # The name part is not a key.
+    with pytest.raises(Unauthorized):
+        guard.check({"authorization": "Bearer ops:s3cret"})
+    with pytest.raises(Unauthorized):
+        guard.check({"authorization": "Bearer ops"})
+
+
+def test_without_admin_keys_control_is_named_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = config(monkeypatch)
+    guard = admin_guard(None, CallerKeys(conf, Tenants(conf)))
+    assert guard.name_of({}) == "loopback"

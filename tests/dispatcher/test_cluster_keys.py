@@ -28,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from dispatcher import config as cfg
 from dispatcher import events, keys, wire
+from dispatcher.control import Actor, CapacityBody, Control, FallbacksBody, audit_once
 from dispatcher.events import Assignment, Meta, Start
 from dispatcher.live import LiveSample
 from dispatcher.reaper import Reaper
@@ -332,6 +333,16 @@ class Scenario:
         self.note("models c", await h.calls.models("c", report_of(self.config, c, held)))
         done = wire.LoadOutcome(provider="c", served="m2@c", ok=True, load_ms=5)
         self.note("loaded c", await h.calls.load_done("c", done))
+        # An operator's overrides (lua/override.lua): a provider's capacity (its lanes pumped),
+        # a model's fallbacks (the empty plan), one lapsed; a load ordered (lua/model_order.lua);
+        # a reload audited (lua/audit.lua).
+        control = Control(h.calls, self.redis)
+        self.note("capacity override c", await control.set_capacity("c", CapacityBody(capacity=1), Actor("ops")))
+        self.note("fallbacks override m1", await control.set_fallbacks("m1", FallbacksBody([]), Actor("ops")))
+        self.note("capacity clear c", await control.clear_capacity("c", Actor("ops")))
+        self.note("lapse m1", await control.lapse("fallbacks", "m1"))
+        self.note("load c", await control.model_order("c", "m1@c", "unload", Actor("ops")))
+        self.note("reload", await audit_once(h.calls, "reload", "config", "a", "b", "iop", "reload", once_digest="b"))
         # A 5xx, then the same request answered by another provider: the first is blamed, and
         # ejected (lib/evidence.lua, lib/eject.lua read the lane's other providers).
         for job in list(await self.running()):

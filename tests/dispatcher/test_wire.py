@@ -207,7 +207,7 @@ def test_the_token_window_fields_are_those_finish_writes() -> None:
 
 
 def test_the_capacity_history_is_read_as_capacity_lua_writes_it() -> None:
-    assert "redis.call('RPUSH', HISTORY, now .. ':' .. report.capacity)" in scripts.source("capacity")
+    assert "redis.call('RPUSH', HISTORY, now .. ':' .. cap)" in scripts.source("capacity")
     assert wire.capacity_history([b"1700000000000:4", b"1700000000500:12", b"x:1", b"5:", b"7:-1"]) == [
         [1_700_000_000_000, 4], [1_700_000_000_500, 12]]
 
@@ -216,6 +216,9 @@ def test_provider_load_reads_what_capacity_lua_writes() -> None:
     hset = re.search(r"redis\.call\('HSET', PROVIDER, (.*?)\)\nif report\.moved", scripts.source("capacity"), re.S)
     assert hset is not None
     written = set(re.findall(r"'([a-z_]+)', ", hset.group(1)))
+    # The capacity itself as an operator's override lets it (lib/capacity_in_force.lua).
+    assert "local cap = capacity_in_force(PROVIDER, report.capacity)" in scripts.source("capacity")
+    written.add("capacity")
     assert written == {"capacity", "capacity_mode", "ext", "hold_until", "hold_reason", "cap_reason", "engine",
                        "engine_ms", "svc_ms"}
     report = wire.CapacityReport(capacity=6, mode="auto", external=2, hold_ms=0, reason="latency rose",

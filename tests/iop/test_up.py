@@ -293,8 +293,8 @@ def test_up_serves_the_demo_and_stops_everything_on_sigint(tmp_path: Path, start
         assert events[-1] == "data: [DONE]", body
 
     # The client commands find it through IOP_URL, as its banner says.
-    assert (f"`export IOP_URL={up.url}` points `iop catalog`, `iop provider` and `iop qualify` at it "
-            "(else give them --url).") in up.lines, up.report()
+    assert (f"`export IOP_URL={up.url}` points `iop catalog`, `iop provider`, `iop model`, `iop overrides`, "
+            "`iop audit` and `iop qualify` at it (else give them --url).") in up.lines, up.report()
     done = subprocess.run([sys.executable, "-m", "iop", "catalog", "--json"], capture_output=True, text=True,
                           timeout=60, env={**up.env, "IOP_URL": up.url}, cwd=ROOT)
     assert done.returncode == 0, done.stderr + up.report()
