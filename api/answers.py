@@ -16,6 +16,7 @@ import msgspec
 from litestar import Response
 from litestar.response import Stream
 
+from api.continuation import CONTINUABLE_CODES, MAX_KEPT_BYTES, Continuer, Splice
 from api.errors import stream_error
 from api.exchange import Exchange
 from dispatcher import events
@@ -42,7 +43,8 @@ def json_answer(event: Done, model_id: str) -> Response[bytes]:
                     headers={**event.headers, **meta_headers(event.meta)})
 
 
-def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endpoint) -> Stream:
+def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endpoint,
+               continuer: Continuer | None = None) -> Stream:
     """The stream that relays the job's events from ``first`` on. It takes the exchange
     over, and ends it when it ends, however it ends."""
     exchange.stream_takes_over()
@@ -51,7 +53,7 @@ def sse_answer(exchange: Exchange, first: Start | End, model_id: str, spec: Endp
     if spec.stream != "bytes":
         headers.update(SSE_HEADERS)
     return Stream(
-        _stream(exchange, first, Framing(spec, model_id)),
+        _stream(exchange, first, Framing(spec, model_id), continuer),
         media_type=media_type,
         status_code=first.status if isinstance(first, Start) else 200,
         headers={**headers, **(meta_headers(first.meta) if first.meta else {})},
@@ -92,13 +94,20 @@ class Framing:
         return stream_error(exc, self.spec, provider_body)
 
 
-async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> AsyncIterator[bytes]:
+async def _stream(exchange: Exchange, first: Start | End, framing: Framing,
+                  continuer: Continuer | None = None) -> AsyncIterator[bytes]:
     wait, clock = exchange.wait, exchange.clock
     assert wait is not None  # a stream follows a job's first event
     status = JobCancelled.status  # unless the stream reaches its end
     usage: Usage | None = None  # the provider's token counts, given with the end
     seen = 0  # the last chunk batch relayed (a retried write may come twice)
     wait.output_began()
+    # A stream that may be continued keeps what it relayed: references, read only at a cut
+    # (api/continuation.py), so a stream never cut pays a list append per batch.
+    kept: list[bytes] | None = [] if continuer is not None and continuer.possible() else None
+    kept_bytes = 0
+    splice: Splice | None = None
+    providers = [first.meta.provider] if first.meta is not None else []
     try:
         event: events.Event = first
         while True:
@@ -109,35 +118,90 @@ async def _stream(exchange: Exchange, first: Start | End, framing: Framing) -> A
                 status = broken.status
                 yield framing.error(broken)
                 return
+            cut: RequestError | None = None
             if isinstance(event, Chunks) and event.seq and event.seq <= seen:
                 pass
             elif isinstance(event, Start | Chunks):
                 if isinstance(event, Chunks):
                     seen = event.seq or seen
-                if event.chunks:
-                    yield framing.chunks(event.chunks)
-                    if event is first:
+                chunks = event.chunks
+                if chunks:
+                    if kept is not None:
+                        kept_bytes += sum(map(len, chunks))
+                        if kept_bytes > MAX_KEPT_BYTES:
+                            kept = None
+                        else:
+                            kept.extend(chunks)
+                    if splice is not None:
+                        chunks = splice.chunks(chunks)
+                    if chunks:
+                        yield framing.chunks(chunks)
+                    if event is first and splice is None:
                         clock.first_byte()
             elif isinstance(event, End):
                 status = 200
-                usage = event.usage
+                usage = event.usage if splice is None or event.usage is None else splice.end_usage(event.usage)
                 end = framing.end(event)
                 if end:
                     yield end
                 return
             elif isinstance(event, Failed):
-                status = event.status
-                yield framing.error(failure(event), event.body)
-                return
+                cut = failure(event)
+                if kept is None or event.code not in CONTINUABLE_CODES:
+                    if continuer is not None and event.code in CONTINUABLE_CODES:
+                        clock.continuation(event.code, f"refused: {continuer.why_off(kept_bytes)}")
+                    status = event.status
+                    yield framing.error(cut, event.body)
+                    return
             else:  # Done cannot follow a stream's start; treat it as the end.
                 status = 200
                 return
+            if cut is None:
+                try:
+                    event = await wait.next_event()
+                    continue
+                except RequestError as exc:
+                    if kept is None or exc.code not in CONTINUABLE_CODES:
+                        if continuer is not None and exc.code in CONTINUABLE_CODES:
+                            clock.continuation(exc.code, f"refused: {continuer.why_off(kept_bytes)}")
+                        status = exc.status
+                        yield framing.error(exc)
+                        return
+                    cut = exc
+            # The stream was cut after output began: go on on another provider, or end it.
+            assert continuer is not None
+            assert kept is not None
+            resumed = await continuer.resume(kept, cut.code or "", providers)
+            if isinstance(resumed, str):
+                exchange.clock.continuation(cut.code or "", f"refused: {resumed}")
+                status = cut.status
+                yield framing.error(cut)
+                return
+            wait = exchange.continues_with(resumed.wait)
+            splice = resumed.splice
             try:
                 event = await wait.next_event()
+                if isinstance(event, Failed):
+                    raise failure(event)
             except RequestError as exc:
-                status = exc.status
-                yield framing.error(exc)
+                # The continuation never started: the caller gets the cut's own error, which
+                # says what happened to its answer, and why it did not go on.
+                exchange.clock.continuation(cut.code or "", f"failed: {exc.code}")
+                status = cut.status
+                cut.message = f"{cut.message} (continuing it on another provider failed: {exc.message})"
+                yield framing.error(cut)
                 return
+            exchange.clock.continuation(cut.code or "", "continued", wait.job_id)
+            # Its output reaches the caller from here: a requeue before this point (the provider
+            # it went to failed before any output) left it waiting in its queue, as any job.
+            wait.output_began()
+            if isinstance(event, Start):
+                first, seen = event, 0
+                if event.meta is not None:
+                    providers.append(event.meta.provider)
+                splice.providers = list(providers)
+                yield b": iop continued on " + (providers[-1].encode() if event.meta else b"?") + \
+                    b" after " + (cut.code or "").encode() + b"\n\n"
     finally:
         exchange.end(status, usage)
 

@@ -190,6 +190,8 @@ async def audit(gw: NamedDependency[Gateway], since: FromQuery[int | None] = Non
                 limit: FromQuery[int] = 100) -> Response[bytes]:
     if not 1 <= limit <= MAX_AUDIT:
         raise InvalidOverride(f"limit must be between 1 and {MAX_AUDIT}, got {limit}", param="limit")
+    if since is not None and not 0 <= since < 2**63:
+        raise InvalidOverride(f"since is a time in UTC ms, from 0, got {since}", param="since")
 
     async def listing() -> dict[str, Any]:
         return {"entries": await _control(gw).audit(since, limit)}

@@ -43,6 +43,14 @@ class Exchange:
         self._hang_up = HangUpWatch(request, wait.waiter)
         return wait
 
+    def continues_with(self, wait: JobWait) -> JobWait:
+        """A cut stream goes on as another job (api/continuation.py): that job's wait is the
+        exchange's now (the cut one ended with its failure)."""
+        if self.wait is not None:
+            self.wait.close()
+        self.wait = wait
+        return wait
+
     def stream_takes_over(self) -> None:
         """A stream answers: it ends the exchange when its last event is relayed, not the handler."""
         self._streaming = True

@@ -89,12 +89,21 @@ class RequestMetrics:
             "(over iop_tokens_total{kind=\"prompt\"}: its cache hit rate)",
             ["model", "provider"], registry=self.registry,
         )
+        self.continuations = Counter(
+            "iop_continuations", "Streams cut after output began (reason: provider_error, worker_lost), by "
+            "what iop did: continued on another provider, or refused (why)",
+            ["model", "reason", "outcome"], registry=self.registry,
+        )
         self.requests_of = _Children(self.requests)
         self.latency_of = _Children(self.latency)
         self.queue_wait_of = _Children(self.queue_wait)
         self.ttfb_of = _Children(self.ttfb)
         self.tokens_of = _Children(self.tokens)
         self.cached_tokens_of = _Children(self.cached_tokens)
+
+    def continuation(self, model: str, reason: str, outcome: str) -> None:
+        """A cut stream continued (``outcome`` ``continued``) or not (``refused: <why>``)."""
+        self.continuations.labels(model, reason, outcome).inc()
 
     def fell_back(self, model: str, fallback: str) -> None:
         """A fallback of ``model`` took a request (both ids come from the config)."""
@@ -131,6 +140,12 @@ class RequestClock:
 
     def queued(self, queue_ms: int) -> None:
         self.metrics.queue_wait_of(self.model, self.tenant).observe(queue_ms / 1000)
+
+    def continuation(self, reason: str, outcome: str, job_id: str = "") -> None:
+        """A cut stream: counted, and noted on the request's trace."""
+        self.metrics.continuation(self.model, reason, outcome)
+        if self.trace is not None:
+            self.trace.continued(reason, outcome, job_id)
 
     def first_byte(self) -> None:
         self.metrics.ttfb_of(self.model, self.provider).observe(time.perf_counter() - self.started)

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from api import ratelimits
 from api.answers import failure, json_answer, sse_answer
+from api.continuation import Continuer
 from api.exchange import Exchange
 from api.gateway import Gateway
 from api.intake import FALL_BACK_ON, Intake, fallbacks, take, take_stored
@@ -167,7 +168,7 @@ async def _relay(
             exchange.answer_carries(first.usage)
             answer: Response[Any] = json_answer(first, model_id)
         else:
-            answer = sse_answer(exchange, first, model_id, spec)
+            answer = sse_answer(exchange, first, model_id, spec, Continuer(gw, rt, intake))
         if limit_headers:
             answer.headers.update(limit_headers)
         answer.headers[MODEL_HEADER] = model_id

@@ -41,7 +41,7 @@ class ApiSide:
     async def submit(
         self, job_id: str, lane: Lane, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
         tenant: Tenant | None = None, blocks: Sequence[str] = (), limits: wire.Limits | None = None,
-        deadline_ms: int = 0,
+        deadline_ms: int = 0, excluded: Sequence[str] = (), first: bool = False,
     ) -> Submitted:
         tries = 0
 
@@ -49,7 +49,7 @@ class ApiSide:
             nonlocal tries
             tries += 1
             return await self.calls.submit(job_id, lane, self.replica_id, body, endpoint, stream, pinned, tenant,
-                                           blocks, limits, deadline_ms)
+                                           blocks, limits, deadline_ms, excluded, first)
 
         submitted = await held(once, self.hold_s)
         if submitted.status == SubmitStatus.DUPLICATE and tries > 1:

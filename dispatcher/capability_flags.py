@@ -65,3 +65,24 @@ def flags_for(provider_type: str, managed: bool = False) -> LifecycleFlags:
     if managed and provider_type in _IN_MODE:
         return _LOADS
     return flags
+
+
+# The types whose runtimes continue a trailing assistant message (chat) or a prompt (completions)
+# where it stops, so that a stream cut on one provider goes on on another (api/continuation.py):
+# vLLM, SGLang and llama.cpp's server with ``continue_final_message`` (iop sets it, with
+# ``add_generation_prompt`` off; llama.cpp's server continues a trailing assistant message
+# without them too, but then streams the text so far again first). Not a hosted OpenAI-style API (OpenAI's own answers a
+# trailing assistant message with a new one), nor Ollama's and Lemonade's OpenAI endpoints, nor
+# a command.
+CONTINUES = frozenset({"vllm", "sglang", "llamacpp"})
+
+
+class CapabilityFlags(msgspec.Struct, frozen=True):
+    """What a provider's type can do with a request beyond answering it (the catalog's
+    ``capability_flags``)."""
+
+    continue_: bool = msgspec.field(default=False, name="continue")
+
+
+def capability_flags(provider_type: str) -> CapabilityFlags:
+    return CapabilityFlags(continue_=provider_type in CONTINUES)

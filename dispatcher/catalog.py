@@ -26,7 +26,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from dispatcher import keys, overrides, wire
-from dispatcher.capability_flags import LifecycleFlags, flags_for
+from dispatcher.capability_flags import CapabilityFlags, LifecycleFlags, capability_flags, flags_for
 from dispatcher.config import DEFAULT_TENANT, Config, ModelConfig, ProviderConfig
 from dispatcher.control import drain_state
 from dispatcher.live import LiveView, read_live
@@ -104,6 +104,9 @@ class ProviderView(msgspec.Struct):
     models_state: dict[str, wire.ModelState] = {}
     max_loaded: int | None = None
     loading: str | None = None
+    # What its type can do with a request beyond answering it: ``continue`` a cut answer of
+    # another provider (api/continuation.py).
+    capability_flags: CapabilityFlags = CapabilityFlags()
 
 
 class OverrideView(msgspec.Struct):
@@ -604,6 +607,7 @@ def _provider_view(
         loaded_models=_json_list(fields.get("loaded_models")),
         queued=sum(queued[g] for g in groups),
         lifecycle_capabilities=flags_for(prov.type, prov.manages_models),
+        capability_flags=capability_flags(prov.type),
         heartbeat_age_ms=max(now - int(hb_ms), 0) if hb_ms else None,
         model_groups=groups,
         endpoints=endpoints if endpoints is not None else list(prov.served_endpoints),

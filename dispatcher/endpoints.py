@@ -95,3 +95,6 @@ DEFAULT_ENDPOINTS: dict[str, tuple[str, ...]] = {
 
 # Endpoints whose stored state lives on the provider that made it.
 RESPONSES = "responses"
+# The endpoints whose cut streams iop continues on another provider (api/continuation.py).
+CHAT = "chat/completions"
+COMPLETIONS = "completions"

@@ -205,6 +205,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     output_started: int = 0  # 1 once output reached its client: it is never dispatched again
     # Providers that failed it (finish in mode 'retry'). (cjson writes an empty table as {}.)
     excluded: list[str] | dict[str, str] = []
+    # Providers it must never go to, whatever else is down: a continuation's, whose type
+    # cannot continue an answer (api/continuation.py; lua/submit.lua).
+    never: list[str] | dict[str, str] = []
     # The '<provider>|<status>' of each 5xx it got, whose blame waits for its end: another
     # provider answering it blames them, another's 5xx excuses them (lua/lib/blame.lua).
     failed_5xx: list[str] | dict[str, str] = []

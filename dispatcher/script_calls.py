@@ -172,9 +172,11 @@ class ScriptCalls:
     async def submit(
         self, job: str, lane: Lane, replica: str, body: bytes, endpoint: str, stream: bool, pinned: bool = False,
         tenant: Tenant | None = None, blocks: Sequence[str] = (), limits: wire.Limits | None = None,
-        deadline_ms: int = 0,
+        deadline_ms: int = 0, excluded: Sequence[str] = (), first: bool = False,
     ) -> Submitted:
         """``tenant``: under flow control, who asks (the job id must name it: ``Tenant.job_id``).
+        ``excluded``, ``first``: a continuation's (api/continuation.py): never to these
+        providers, and ahead of the lane's new work.
         ``blocks``: cache-aware dispatch's keys of the request (``api/intake.py``).
         ``limits``: its tenant's rate limits and budget, with the request's token estimate.
         ``deadline_ms``: the longest the caller will wait for it to start (0: the model's
@@ -195,7 +197,7 @@ class ScriptCalls:
             job=job, model=lane.model, replica=replica, endpoint=endpoint, stream=int(stream), lane=lane.name,
             timeout_ms=timeout_ms, max_queue=max_queue, pinned=pinned,
             tenant=t.name if t else "", weight=t.weight if t else 1.0, max_queued=(t.max_queued or 0) if t else 0,
-            blocks=list(blocks), limits=limits, predict_ms=predict_ms,
+            blocks=list(blocks), limits=limits, predict_ms=predict_ms, excluded=list(excluded), first=first,
         )
         status, queued, deadline, now, *rest = await self._pump(
             self.scripts.submit, plan, ks, [*head, wire.encode(opts), body])

@@ -169,6 +169,11 @@ class RequestTrace:
                 # process's submit time.
                 self._queue_span(self._submitted_ns + meta.queue_ms * 1_000_000, meta.queue_ms, True)
 
+    def continued(self, reason: str, outcome: str, job_id: str = "") -> None:
+        """The stream was cut (``reason``), and what iop did: continued as job ``job_id``, or
+        not (api/continuation.py)."""
+        self.span.add_event("iop.continuation", {"iop.reason": reason, "iop.outcome": outcome, "iop.job": job_id})
+
     def end(self, status: int, model: str, tenant: str, usage: Usage | None = None) -> None:
         from opentelemetry.trace import StatusCode
 

@@ -58,6 +58,10 @@ class SubmitOptions(msgspec.Struct, frozen=True, omit_defaults=True):
     limits: Limits | None = None
     # Refuse the job at once if its predicted queue wait is over this (0: never).
     predict_ms: int = 0
+    # A continuation of a cut stream (api/continuation.py): never to these providers (their
+    # type cannot continue), and ahead of the lane's new work.
+    excluded: list[str] = []
+    first: bool = False
 
 
 encode = msgspec.json.Encoder().encode

@@ -24,6 +24,10 @@
 --                times and limits) say it would
 --                wait longer than this 1 time in 20 (the caller's deadline, or the
 --                model's refuse_predicted_over_ms)
+--              excluded, first: a continuation of a cut stream (api/continuation.py) never
+--                goes to these providers (lib/excluded.lua), and waits ahead of the lane's
+--                new work: at score 0 (first), or at its band's virtual time under flow
+--                control (no earlier tag, and the tenant's next one is not moved on)
 -- ARGV[5]    request body
 -- Returns {status, queue length, deadline ms, now ms, why, limits}; status is
 --   'dispatched' | 'queued' | 'full' (refused: max_queue jobs already wait) | 'duplicate'
@@ -91,7 +95,13 @@ if opts.limits then
   refused, limited, undo_limits = admit_limits(LIMITS, opts.limits, now)
   if refused then return {refused, 0, 0, now, '', limited} end
 end
-if ftag ~= nil then redis.call('HSET', FAIR.f, ftag, num(score + 1 / (opts.weight or 1))) end
+if opts.first then
+  if FAIR ~= nil then
+    score = tonumber(redis.call('HGET', FAIR.v, 'band:' .. LANE.band) or '0') or 0
+  end
+elseif ftag ~= nil then
+  redis.call('HSET', FAIR.f, ftag, num(score + 1 / (opts.weight or 1)))
+end
 local seq = redis.call('INCR', SEQ)
 local deadline = now + timeout_ms
 local rec = {
@@ -103,6 +113,7 @@ local rec = {
   -- The wait it is admitted for: a home's queue takes it only if it starts there within it
   -- (lib/home_room.lua).
   predict_ms = (opts.predict_ms or 0) > 0 and opts.predict_ms or nil,
+  never = opts.excluded and #opts.excluded > 0 and opts.excluded or nil,
 }
 local L = opts.limits
 if L and (L.tokens_per_minute > 0 or L.tokens_per_day > 0) then
@@ -119,12 +130,12 @@ redis.call('SADD', REPLICA_JOBS, job)
 -- park instead (lib/head.lua).
 local arriving = nil
 if deadline > now and not (FAIR ~= nil and PLAN.capped) and redis.call('EXISTS', QUEUE) == 0 then
-  arriving = {job = job, score = score or seq, rec = rec, body = body, lane = LANE}
+  arriving = {job = job, score = score or (opts.first and 0) or seq, rec = rec, body = body, lane = LANE}
   pump(now, arriving)
   if rec.state == 'd' then return {'dispatched', 0, deadline, now, '', limited} end
 end
 put_record(job, rec)
-redis.call('ZADD', QUEUE, score and num(score) or seq, job)
+redis.call('ZADD', QUEUE, score and num(score) or (opts.first and 0) or seq, job)
 redis.call('ZADD', DEADLINES, deadline, job)
 if arriving == nil then pump(now) end
 

@@ -316,6 +316,11 @@ class ModelConfig(_Base, frozen=True):
     # provider first, the rest as overflow.
     preference: list[str] = []
     affinity: AffinityConfig = AffinityConfig()
+    # A streamed answer cut after output began (its provider died, its worker was lost) goes
+    # on on another provider of the model that can continue it (api/continuation.py), at most
+    # max_continuations times per request; false: the stream ends with the error.
+    continue_streams: bool = True
+    max_continuations: Annotated[int, msgspec.Meta(ge=0, le=8)] = 2
 
 
 # The provider types whose runtimes can load and unload models at run time, which iop then

@@ -21,9 +21,28 @@ The *pipeline* endpoints (all but the probes, ``GET /v1/models`` and ``/_fake/*`
 text is ``tokens`` words ``"tok0 tok1 ... tokN-1"`` wherever the model generates text:
 
 ``POST /v1/chat/completions``, ``POST /v1/completions``
-    JSON, or SSE ``data:`` chunks with ``stream: true``: a role chunk (chat), one chunk per token,
-    a ``finish_reason: "stop"`` chunk, a usage chunk with ``stream_options.include_usage``, then
-    ``data: [DONE]``. ``prompt_tokens`` is the body's length / 4.
+    JSON, or SSE ``data:`` chunks with ``stream: true``: a role chunk (chat), one chunk per token
+    (``"tok0 "``, ``"tok1 "``, ..., ``"tokN-1"``), a ``finish_reason: "stop"`` chunk, a usage chunk
+    with ``stream_options.include_usage``, then ``data: [DONE]``. ``prompt_tokens`` is the body's
+    length / 4. ``max_tokens`` / ``max_completion_tokens`` (the smaller positive integer) cap the
+    words: fewer than ``tokens`` end with ``finish_reason: "length"``.
+
+    *Continuations* (a stream cut on one provider going on on another, issue 49): a chat request
+    whose last message is ``role: assistant`` (content a string or text parts; vLLM's
+    ``continue_final_message`` / ``add_generation_prompt`` are accepted, not needed, as llama.cpp's
+    server) whose text ends in the answer's first ``k`` words ``tok0 tok1 ... tok{k-1}`` (single
+    spaces, maybe a trailing space) goes on from there: the answer is words ``k`` to ``N-1``, as the
+    uninterrupted one would have had them, with a space before the first when the text ends in a
+    word (``" tok3 tok4 ..."`` after ``"tok0 tok1 tok2"``, ``"tok3 tok4 ..."`` after ``"... tok2 "``),
+    and ``completion_tokens`` N - k; ``max_tokens`` caps the words it adds. A completions ``prompt``
+    (a string) ending in that run -- after whatever the original prompt was, even glued to its last
+    word -- continues likewise. Any other trailing text (k = 0: ``"Sure, "``, a run not from
+    ``tok0``, one longer than the answer) gets the whole answer. A continuation's ``prompt_tokens`` is
+    the continued request's -- its body without the text so far (the trailing assistant message,
+    the prompt's run) and the two flags, ``max_tokens``/``max_completion_tokens`` plus k, encoded as
+    compact JSON, length / 4 -- plus k: what iop subtracts again, so that for a body sent as compact
+    JSON the continued answer's usage has the uninterrupted one's prompt. The other endpoints do
+    not continue.
 ``POST /v1/embeddings``
     8-dimensional vectors derived from each input (string, list of strings, token list(s));
     ``encoding_format: "base64"`` packs them as little-endian float32.
@@ -184,6 +203,17 @@ itself is validated (400). Options (``FakeOptions``, all changed by ``POST /_fak
     one arrives on it, the server closes it without answering (nor counting or recording it), as a
     server does that closed an idle keep-alive connection just as the client reused it from its
     pool: the client sees "Server disconnected" and must retry on a new connection.
+``cut_after``
+    A chat/completions *stream* writes its first chunk(s) (the role chunk) and this many content
+    chunks (pausing ``token_interval_ms`` as usual), then, where the next chunk would come (after
+    the pause), the server closes the connection: no finish chunk, no ``[DONE]``, no end of the
+    chunked body -- a provider dying mid-stream; the client reads what was written, then aiohttp
+    raises ``ClientPayloadError`` ("Response payload is not completed"). Without a pause the
+    client may lose the last chunks: aiohttp drops what it holds unread when the payload breaks.
+    It counts the chunks of that answer (a continuation's own, from word k); 0: right after the
+    role chunk; more than the answer has: no cut. Read when the request arrives (a control
+    changing it affects the streams that come after). JSON answers are never cut.
+    ``/_fake/stats`` counts a cut request ``completed``, ``/_fake/executions`` as ``cut``.
 ``max_loaded``, ``load_ms``, ``keep_alive_s``
     Ollama's model lifecycle, below: models loaded at once (at least 1), how long a load takes,
     the default keep-alive in seconds; all None (the default): off, every model always loaded.
@@ -208,10 +238,12 @@ Two more test hooks, both off until ``POST /_fake/hooks`` switches them on (so t
 nothing otherwise): ``track_executions`` logs every pipeline request in ``/_fake/executions``
 with its marker (the body's ``user`` string, or an Anthropic body's ``metadata.user_id``), the
 caller's TCP port, its start and end (wall-clock seconds) and its outcome (``running``,
-``completed``, ``disconnected`` or ``failed``), so a test can count how often the provider ran
-each request; ``body_overrides`` lets a JSON request carry a ``fake`` object (``delay_ms``,
-``tokens``, ``token_interval_ms``, ``fail_status``) that replaces those options for that
-request alone (``fail_status``: a request the runtime fails by what it carries).
+``completed``, ``cut`` (``cut_after``), ``disconnected`` or ``failed``), so a test can count
+how often the provider ran each request; ``body_overrides`` lets a JSON request carry a
+``fake`` object (``delay_ms``, ``tokens``, ``token_interval_ms``, ``fail_status``,
+``cut_after``) that replaces those options for that request alone (``fail_status``: a request
+the runtime fails by what it carries). A continuation iop makes carries the same ``fake``
+object: a ``cut_after`` there cuts it too, on a fake with ``body_overrides`` on.
 
 Code: ``_server`` (the pipeline, chat/completions/embeddings, probes, test hooks, the app),
 ``_responses``, ``_anthropic``, ``_pooling`` (rerank, score, tokenize), ``_media`` (audio,

@@ -78,6 +78,9 @@ class FakeOptions(msgspec.Struct, kw_only=True):
     keep_alive_s: float | None = None
     """Ollama's default keep-alive (``OLLAMA_KEEP_ALIVE``, 300 in Ollama): an idle model is unloaded
     after this many seconds; None: never."""
+    cut_after: int | None = None
+    """A chat/completions stream writes this many content chunks, then the server closes the connection
+    (no finish chunk, no ``[DONE]``, no end of the chunked body): a provider dying mid-stream. None: off."""
 
 
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -104,6 +107,7 @@ class _OptionsPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_loaded: Annotated[int, msgspec.Meta(ge=1)] | msgspec.UnsetType | None = msgspec.UNSET
     load_ms: _NonNegative | msgspec.UnsetType | None = msgspec.UNSET
     keep_alive_s: Annotated[float, msgspec.Meta(ge=0)] | msgspec.UnsetType | None = msgspec.UNSET
+    cut_after: _NonNegative | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Recorded(msgspec.Struct, omit_defaults=True):
@@ -162,6 +166,8 @@ class _Overrides(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_interval_ms: _NonNegative | None = None
     # This request alone answers this status (a request a runtime fails by what it carries).
     fail_status: _Status | None = None
+    # This request's stream is cut after this many content chunks.
+    cut_after: _NonNegative | None = None
 
 
 class _Execution(msgspec.Struct, kw_only=True):
@@ -268,6 +274,8 @@ class _Call:
 
     __slots__ = (
         "body",
+        "cut",
+        "cut_after",
         "decorated",
         "endpoint",
         "file",
@@ -293,6 +301,8 @@ class _Call:
         self.stream = False
         self.tokens = 0
         self.interval_ms = 0
+        self.cut_after: int | None = None
+        self.cut = False  # the stream was cut (cut_after)
         self.decorated = False
 
     @property
@@ -360,14 +370,41 @@ class _Words(msgspec.Struct, frozen=True):
 
 
 @functools.lru_cache(maxsize=64)
-def _words(n: int, stem: str = "tok") -> _Words:
-    words = [f"{stem}{i}" for i in range(n)]
-    pieces = tuple(msgspec.json.encode(w + " " if i < n - 1 else w) for i, w in enumerate(words))
+def _words(n: int, stem: str = "tok", start: int = 0, lead: bool = False) -> _Words:
+    """Words ``start`` to ``n - 1`` of the answer (all of it from 0): each piece but the last with its
+    trailing space; ``lead``: a space before the first one (a continuation of text that ends in a word)."""
+    texts = [f"{stem}{i} " if i < n - 1 else f"{stem}{i}" for i in range(start, n)]
+    if lead and texts:
+        texts[0] = " " + texts[0]
+    pieces = tuple(msgspec.json.encode(t) for t in texts)
     return _Words(
-        content=msgspec.json.encode(" ".join(words)),
+        content=msgspec.json.encode("".join(texts)),
         pieces=pieces,
         deltas=tuple(b'{"content":' + p + b"}" for p in pieces),
     )
+
+
+def _given(text: str, stem: str, most: int) -> tuple[int, int]:
+    """How many words of the answer ``text`` ends with -- the run ``<stem>0 <stem>1 ... <stem>k-1``
+    (single spaces between them, maybe trailing whitespace, the first word maybe glued to what comes
+    before it) -- and where that run starts in ``text``: (k, start); (0, len(text)) when it ends with
+    none, or with more than ``most``. Cheap when it does not: a look at the last characters."""
+    end = len(text)
+    while end and text[end - 1].isspace():
+        end -= 1
+    digits = end
+    while digits and text[digits - 1].isdigit():
+        digits -= 1
+    if digits == end or end - digits > 9 or digits < len(stem) or not text.startswith(stem, digits - len(stem)):
+        return 0, len(text)
+    k = int(text[digits:end]) + 1
+    if k > most:
+        return 0, len(text)
+    run = " ".join(f"{stem}{i}" for i in range(k))
+    start = end - len(run)
+    if start < 0 or not text.startswith(run, start):
+        return 0, len(text)
+    return k, start
 
 
 @functools.lru_cache(maxsize=64)
@@ -430,10 +467,12 @@ async def _stream(
     headers: CIMultiDict[str] = _SSE_V1,
     *,
     chunked: bool = False,
+    cut: bool = False,
 ) -> web.StreamResponse:
     """Write ``groups`` with ``interval_ms`` between them; one piece with a Content-Length when there is
-    nothing to wait for, unless ``chunked``. ``headers``: one of the ``_*_V1`` or from ``_v1_headers``."""
-    if not chunked and (interval_ms <= 0 or len(groups) == 1):
+    nothing to wait for, unless ``chunked``. ``headers``: one of the ``_*_V1`` or from ``_v1_headers``.
+    ``cut``: after the last group, close the connection instead of ending the (chunked) body."""
+    if not (chunked or cut) and (interval_ms <= 0 or len(groups) == 1):
         return web.Response(body=b"".join(groups), headers=call.headers(headers))
     interval = interval_ms / 1000
     response = web.StreamResponse(headers=call.headers(headers))
@@ -444,6 +483,16 @@ async def _stream(
             if interval > 0:
                 await asyncio.sleep(interval)
             await response.write(group)
+        if cut:
+            # The cut comes where the next chunk would, after the pause (so that the client has read
+            # what was written: aiohttp drops what it holds unread when the connection breaks), as a
+            # FIN where the chunked body should go on: the client reads a payload that is not
+            # complete (aiohttp: ClientPayloadError).
+            if interval > 0:
+                await asyncio.sleep(interval)
+            call.cut = True
+            call.request.protocol.force_close()
+            return response
         await response.write_eof()
     except ConnectionResetError as exc:
         raise _ClientGone(response) from exc

@@ -39,6 +39,7 @@ from ._common import (
     _error,
     _error_body,
     _Execution,
+    _given,
     _groups,
     _Hooks,
     _HooksPatch,
@@ -68,7 +69,7 @@ _BAD_JSON_MESSAGE: Final = (
 _BAD_KEY: Final = _error_body("Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
 _UNHEALTHY: Final = _error_body("fake provider is unhealthy", "server_error", None, "service_unavailable")
 _BAD_OVERRIDES_MESSAGE: Final = ("'fake' must be an object of non-negative integers delay_ms, tokens, "
-                                  "token_interval_ms, and an HTTP status fail_status")
+                                  "token_interval_ms, cut_after, and an HTTP status fail_status")
 
 _GARBAGE_JSON: Final = b'{"id":"chatcmpl-garbage","object":"chat.completion","choices":[{"message":{"rol'
 # A stream that starts fine, then carries a data line that is not JSON, then ends normally.
@@ -119,6 +120,56 @@ _SHAPES: Final = {
         finish=b'"","logprobs":null,"finish_reason":"stop"}]}\n\n',
     ),
 }
+
+
+# The same answers ended by max_tokens.
+_LENGTH_SHAPES: Final = {
+    kind: msgspec.structs.replace(
+        shape,
+        message_close=shape.message_close.replace(b'"stop"', b'"length"'),
+        finish=shape.finish.replace(b'"stop"', b'"length"'),
+    )
+    for kind, shape in _SHAPES.items()
+}
+
+
+def _content_text(content: Any) -> str:
+    """The text of a message's content: a string, or the ``text`` of its parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    """The most words the request lets the answer have (``max_tokens``, ``max_completion_tokens``:
+    the smaller positive one); None: no limit."""
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        return None
+    limit = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if type(value) is int and value > 0 and (limit is None or value < limit):
+            limit = value
+    return limit
+
+
+def _continued_prompt(body: dict[str, Any], given: int, field: str, before: Any) -> int:
+    """A continuation's prompt tokens: those of the request it continues -- this body with ``field``
+    (``messages``, ``prompt``) as it was before the answer so far was added, without the continuation
+    flags, ``max_tokens`` as it was before the ``given`` words were used, encoded compact -- plus the
+    ``given`` words. So the prompt of a continued answer, less the words it was given, is the
+    uninterrupted one's (for a body sent as compact JSON)."""
+    original = dict(body)
+    original[field] = before
+    original.pop("continue_final_message", None)
+    original.pop("add_generation_prompt", None)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = original.get(name)
+        if type(value) is int:
+            original[name] = value + given
+    return max(1, len(msgspec.json.encode(original)) // 4) + given
 
 
 def _usage(prompt: int, completion: int) -> bytes:
@@ -277,7 +328,7 @@ class _FakeProvider:
         else:
             stats.completed += 1
             if execution is not None:
-                execution.end("completed")
+                execution.end("cut" if call.cut else "completed")
             if not call.decorated and not response.prepared:
                 call.decorate(response)
             if self.options.close_idle_keepalive and request.transport is not None:
@@ -347,6 +398,7 @@ class _FakeProvider:
             return web.Response(status=401, body=_BAD_KEY, headers=call.headers())
         delay_ms, n, interval_ms = options.delay_ms, options.tokens, options.token_interval_ms
         status = options.fail_status
+        cut_after = options.cut_after
         if self.hooks.body_overrides and is_object and "fake" in body:
             try:
                 overrides = msgspec.convert(body["fake"], type=_Overrides)
@@ -356,6 +408,7 @@ class _FakeProvider:
             n = n if overrides.tokens is None else overrides.tokens
             interval_ms = interval_ms if overrides.token_interval_ms is None else overrides.token_interval_ms
             status = status if overrides.fail_status is None else overrides.fail_status
+            cut_after = cut_after if overrides.cut_after is None else overrides.cut_after
 
         if options.hang and not await self._hang(request):
             return call.fail(503, "fake provider is shutting down", "server_error")
@@ -390,6 +443,7 @@ class _FakeProvider:
             call.stream = stream
             call.tokens = n
             call.interval_ms = interval_ms
+            call.cut_after = cut_after
             # Ollama's lifecycle: the model is loaded first (the native endpoints see to it themselves).
             if model is not None and not endpoint.ollama and is_on(options) and model in options.models:
                 runner = await self.lifecycle.acquire(model, msgspec.UNSET, "request")
@@ -439,12 +493,39 @@ class _FakeProvider:
         return self._complete(call, _TEXT)
 
     async def _complete(self, call: _Call, kind: int) -> web.StreamResponse:
+        body = call.body
         model_json = msgspec.json.encode(call.model)
-        prompt_tokens = max(1, len(call.raw) // 4)
         n = call.tokens
-        words = _words(n, self.options.word)
-        usage = _usage(prompt_tokens, n)
-        shape = _SHAPES[kind]
+        stem = self.options.word
+        # A continuation: the answer so far given back -- chat: a trailing assistant message; completions:
+        # the prompt's last words -- goes on where it stopped.
+        start, lead, prompt_tokens = 0, False, 0
+        if kind == _CHAT:
+            messages = body.get("messages")
+            if isinstance(messages, list) and messages:
+                last = messages[-1]
+                if isinstance(last, dict) and last.get("role") == "assistant":
+                    text = _content_text(last.get("content"))
+                    if text:
+                        start, _ = _given(text, stem, n)
+                        if start:
+                            lead = not text[-1].isspace()
+                            prompt_tokens = _continued_prompt(body, start, "messages", messages[:-1])
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str) and prompt:
+                start, at = _given(prompt, stem, n)
+                if start:
+                    lead = not prompt[-1].isspace()
+                    prompt_tokens = _continued_prompt(body, start, "prompt", prompt[:at])
+        end = n
+        limit = _max_tokens(body)
+        capped = False
+        if limit is not None and start + limit < n:
+            end, capped = start + limit, True
+        words = _words(end, stem, start, lead) if start else _words(end, stem)
+        usage = _usage(prompt_tokens or max(1, len(call.raw) // 4), end - start)
+        shape = _SHAPES[kind] if not capped else _LENGTH_SHAPES[kind]
         # '{"id":"chatcmpl-fake1","object":"chat.completion","created":1700000000,"model":"m",...,"choices":'
         created_model = b"%d" % int(time.time()) + _MODEL + model_json + _FINGERPRINT
         rid = shape.id_prefix + b"%x" % next(self._ids)
@@ -457,8 +538,11 @@ class _FakeProvider:
         first = head + shape.first + _NOT_FINISHED if shape.first else b""
         pieces = words.deltas if kind == _CHAT else words.pieces
         contents = [head + piece + _NOT_FINISHED for piece in pieces]
+        cut = call.cut_after
+        if cut is not None and cut <= len(contents):
+            return await _stream(call, _groups(first, contents[:cut], b""), call.interval_ms, cut=True)
         tail = head + shape.finish
-        stream_options = call.body.get("stream_options")
+        stream_options = body.get("stream_options")
         if isinstance(stream_options, dict) and stream_options.get("include_usage") is True:
             tail += top + b'[],"usage":' + usage + b"}\n\n"
         if not self.options.stream_no_done:

@@ -339,6 +339,10 @@ def test_bad_input_is_refused_clearly_and_changes_nothing(fleet: Fleet) -> None:
     version = system.redis.get(keys.OVERRIDES_VERSION)
     audited = system.redis.xlen(keys.AUDIT)
 
+    # The audit's bounds: a time before 0 or past any stream id, a limit out of range (422).
+    for query in ("since=-805741", f"since={2**64}", "limit=0", "limit=1001"):
+        assert error(admin(fleet, "GET", f"/admin/audit?{query}"), 422)["code"] == "invalid_override"
+
     # Unknown provider or model: 404.
     unknown_provider: list[tuple[str, str, Any]] = [
         ("POST", "/admin/providers/nope/disable", None),

@@ -678,6 +678,7 @@ async def test_control_updates_in_place(fake: Fake) -> None:
         "max_loaded": None,
         "load_ms": None,
         "keep_alive_s": None,
+        "cut_after": None,
     }
     assert fake.options is options
     assert (options.tokens, options.models, options.api_key, options.fail_status) == (2, ["x", "y"], "k", 502)
