@@ -26,8 +26,8 @@
 --                model's refuse_predicted_over_ms)
 --              excluded, first: a continuation of a cut stream (api/continuation.py) never
 --                goes to these providers (lib/excluded.lua), and waits ahead of the lane's
---                new work: at score 0 (first), or at its band's virtual time under flow
---                control (no earlier tag, and the tenant's next one is not moved on)
+--                new work: at score 0 (first), or under flow control one below the lowest of
+--                its band's virtual time and its lane's head (the tenant's next tag not moved)
 -- ARGV[5]    request body
 -- Returns {status, queue length, deadline ms, now ms, why, limits}; status is
 --   'dispatched' | 'queued' | 'full' (refused: max_queue jobs already wait) | 'duplicate'
@@ -97,7 +97,12 @@ if opts.limits then
 end
 if opts.first then
   if FAIR ~= nil then
+    -- Before every tag waiting in its lane (an older one may be below the band's clock V,
+    -- which moves on with each dispatch), and V itself: dispatch never moves V back.
     score = tonumber(redis.call('HGET', FAIR.v, 'band:' .. LANE.band) or '0') or 0
+    local head = redis.call('ZRANGE', QUEUE, 0, 0, 'WITHSCORES')
+    if head[2] ~= nil then score = math.min(score, tonumber(head[2])) end
+    score = score - 1
   end
 elseif ftag ~= nil then
   redis.call('HSET', FAIR.f, ftag, num(score + 1 / (opts.weight or 1)))

@@ -262,9 +262,11 @@ def test_a_continuation_skips_the_providers_that_cannot_continue(system: System)
 
 
 def test_a_continuation_whose_provider_fails_before_its_output_goes_to_another(system: System) -> None:
-    """The continuation goes to ``a`` again (preferred, still in rotation), which answers 502
-    before any output: like any job, it is retried on ``b`` -- its wait does not take that for a
-    stream lost after output."""
+    """Once ``a``'s stream has begun it answers 502 to anything new. If the continuation reaches
+    ``a`` (preferred; whether its worker has taken ``a`` out after the cut by then is a race), ``a``
+    fails it before any output and it is retried on ``b``, like any job: its wait must not take
+    that requeue for a stream lost after output (it did, once: the caller got an error). Either
+    way the caller gets the whole answer, continued by ``b``."""
     fa = system.fakes["fa"]
     fa.control(cut_after=CUT, token_interval_ms=INTERVAL_MS)
     body = {"model": "m", "messages": MESSAGES, "stream": True}
@@ -273,7 +275,7 @@ def test_a_continuation_whose_provider_fails_before_its_output_goes_to_another(s
     finally:
         fa.control(fail_status=None)
     assert_whole(system, got, "chat", "a", "b", "provider_error")
-    assert len(continuations(fa)) == 1, got.context()
+    assert len(continuations(fa)) <= 1, got.context()
     assert len(continuations(system.fakes["fb"])) == 1, got.context()
 
 

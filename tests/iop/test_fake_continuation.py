@@ -15,7 +15,7 @@ import pytest
 from iop.fake_provider import FakeOptions, start
 from iop.fake_provider._common import _given
 from iop.redis_server import free_port
-from tests.iop.test_fake_provider import Fake, post, sse_events
+from tests.iop.fake_client import Fake, post, sse_events
 
 pytestmark = pytest.mark.anyio
 
