@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from iop.fake_provider import FakeOptions
+from iop.fake_provider import FakeOptions, start
+from iop.redis_server import free_port
+
+HOST = "127.0.0.1"
 
 
 @dataclass
@@ -57,3 +62,16 @@ async def post(fake: Fake, path: str, body: Any, **kwargs: Any) -> tuple[int, An
     async with fake.session.post(path, json=body, **kwargs) as resp:
         text = await resp.text()
         return resp.status, json.loads(text) if text else None
+
+
+@contextlib.asynccontextmanager
+async def running(options: FakeOptions) -> AsyncIterator[Fake]:
+    """A fake provider with ``options`` on a free port, and a client of it, until the block ends."""
+    port = free_port()
+    runner = await start(HOST, port, options)
+    url = f"http://{HOST}:{port}"
+    try:
+        async with aiohttp.ClientSession(base_url=url) as session:
+            yield Fake(options, session, url)
+    finally:
+        await runner.cleanup()

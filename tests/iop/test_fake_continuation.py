@@ -12,10 +12,9 @@ import aiohttp
 import msgspec
 import pytest
 
-from iop.fake_provider import FakeOptions, start
+from iop.fake_provider import FakeOptions
 from iop.fake_provider._common import _given
-from iop.redis_server import free_port
-from tests.iop.fake_client import Fake, post, sse_events
+from tests.iop.fake_client import Fake, post, running, sse_events
 
 pytestmark = pytest.mark.anyio
 
@@ -26,15 +25,8 @@ WHOLE = " ".join(f"tok{i}" for i in range(N))
 
 @pytest.fixture
 async def fake() -> AsyncIterator[Fake]:
-    options = FakeOptions(tokens=N)
-    port = free_port()
-    runner = await start(HOST, port, options)
-    url = f"http://{HOST}:{port}"
-    try:
-        async with aiohttp.ClientSession(base_url=url) as session:
-            yield Fake(options, session, url)
-    finally:
-        await runner.cleanup()
+    async with running(FakeOptions(tokens=N)) as fake:
+        yield fake
 
 
 def so_far(k: int) -> str:

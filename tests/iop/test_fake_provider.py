@@ -24,7 +24,7 @@ from aiohttp import web
 from iop.fake_provider import FakeError, FakeOptions, _OptionsPatch, create_app, start
 from iop.fake_provider import _responses as fake_responses
 from iop.redis_server import free_port
-from tests.iop.fake_client import Fake, post, sse_events
+from tests.iop.fake_client import Fake, post, running, sse_events
 
 pytestmark = pytest.mark.anyio
 
@@ -33,19 +33,8 @@ HOST = "127.0.0.1"
 
 @pytest.fixture
 async def fake() -> AsyncIterator[Fake]:
-    options = FakeOptions()
-    port = free_port()
-    runner = await start(HOST, port, options)
-    url = f"http://{HOST}:{port}"
-    try:
-        async with aiohttp.ClientSession(base_url=url) as session:
-            yield Fake(options, session, url)
-    finally:
-        await runner.cleanup()
-
-
-
-
+    async with running(FakeOptions()) as fake:
+        yield fake
 
 
 def assert_openai_error(body: Any) -> None:
